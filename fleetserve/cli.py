@@ -1,0 +1,74 @@
+"""The `fleetserve` command line: one entry point, one subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    from fleetserve.engine.models.bundled import bundled_model_path
+
+    print(bundled_model_path())
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    for question in args.message:
+        reply = llm.chat([{"role": "user", "content": question}], params)[0].outputs[0]
+        print(f"user> {question}\nassistant> {reply.text.strip()}\n")
+    return 0
+
+
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    from fleetserve.bench.offline import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleetserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="manage the bundled model")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    prepare = models_sub.add_parser("prepare", help="convert the bundled GGUF into an HF folder")
+    prepare.set_defaults(func=_cmd_models_prepare)
+
+    chat = sub.add_parser("chat", help="chat with a model offline (LLM.chat)")
+    chat.add_argument("message", nargs="+", help="user message(s), one reply each")
+    chat.add_argument("--model", default=None, help="HF model folder (default: bundled SmolLM2)")
+    chat.add_argument("--dtype", default="auto")
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from fleetserve.bench.offline import add_arguments as add_offline_arguments
+
+    offline = bench_sub.add_parser("offline", help="offline throughput vs peers")
+    add_offline_arguments(offline)
+    offline.set_defaults(func=_cmd_bench_offline)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

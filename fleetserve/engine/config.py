@@ -1,0 +1,302 @@
+"""Engine configuration: frozen dataclasses composed into one `EngineConfig`.
+
+Every field is validated in `__post_init__`; bad values raise `ValueError` naming the field and the
+allowed values. Values that depend on the model (e.g. `max_model_len` when left unset) are resolved by
+`EngineConfig.create()`, which reads the model's HF `config.json`, so the dataclasses themselves never
+hold "unset" placeholders once built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
+_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+
+
+def _require(cond: bool, name: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to run: the HF model folder and its numeric settings."""
+
+    model: str
+    """Path to a Hugging Face model folder (config.json + *.safetensors + tokenizer files)."""
+    dtype: DType
+    """Weight and activation dtype (the KV cache uses the same)."""
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may reach, in tokens."""
+    seed: int = 0
+    """Seed for requests without their own seed; random sampling stays reproducible per engine."""
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """The parsed config.json (kept for model construction; not part of equality)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES[1:], "dtype", f"one of {_DTYPES[1:]}", self.dtype)
+        _require(self.max_model_len > 0, "max_model_len", "a positive integer", self.max_model_len)
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or ["?"]
+        return str(archs[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    """Tokens per KV block (also the prefix-cache hashing granularity)."""
+    num_kv_blocks: int | None = None
+    """Override of the memory-derived block count (including the null block 0)."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained hash matches an earlier request's."""
+    watermark: float = 0.01
+    """Fraction of blocks kept free when admitting new requests (avoids immediate preemption)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use (CUDA only)."""
+    cpu_kv_cache_space_bytes: int = 1 << 30
+    """KV cache budget on the CPU when `num_kv_blocks` is unset (1 GiB; CPU memory is shared)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            "a power of two between 1 and 128",
+            self.block_size,
+        )
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 2, "num_kv_blocks", "at least 2", self.num_kv_blocks)
+        _require(0.0 <= self.watermark < 1.0, "watermark", "in [0, 1)", self.watermark)
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching scheduler settings (one token budget per step)."""
+
+    max_num_seqs: int = 256
+    """Most requests in RUNNING at once (batch slots)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, shared by prefill chunks and decodes."""
+    max_model_len: int = 2048
+    """Copied from the model config so the scheduler can cap chunks without it."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0 = off); raised to the fair share adaptively."""
+    policy: str = "fcfs"
+    """Queue and preemption policy: 'fcfs' (preempt newest) or 'priority' (preempt lowest priority)."""
+    full_sequence_must_fit: bool = False
+    """Admit a request only when blocks for its whole prompt + max_tokens are free."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "at least 1",
+            self.max_num_batched_tokens,
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            "0 (off) or positive",
+            self.long_prefill_token_threshold,
+        )
+        _require(self.policy in _POLICIES, "policy", f"one of {_POLICIES}", self.policy)
+        if not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
+                self.max_num_batched_tokens,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Model-parallel topology of one engine (replica group)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            ">= 1",
+            self.tensor_parallel_size,
+        )
+        _require(
+            self.pipeline_parallel_size >= 1,
+            "pipeline_parallel_size",
+            ">= 1",
+            self.pipeline_parallel_size,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """Where the model runs and which attention backend it uses."""
+
+    device: str = "cpu"
+    """'cpu' or 'cuda' (resolved from 'auto' by `EngineConfig.create`)."""
+    attention_backend: str = "auto"
+    """'auto', 'torch', 'triton' or 'flash_attn'."""
+
+    def __post_init__(self) -> None:
+        _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)
+        _require(
+            self.attention_backend in _BACKENDS,
+            "attention_backend",
+            f"one of {_BACKENDS}",
+            self.attention_backend,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine needs; built once and shared read-only by all components."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    kv_transfer: dict[str, Any] | None = None
+    """KV connector settings (JSON from --kv-transfer-config); None = no connector."""
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+        full_sequence_must_fit: bool = False,
+        attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        enable_eplb: bool = False,
+        kv_transfer_config: dict[str, Any] | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ) -> EngineConfig:
+        """Resolve 'auto' values against the model folder and the machine, then validate."""
+        hf_config = load_hf_config(model)
+        _require(dtype in _DTYPES, "dtype", f"one of {_DTYPES}", dtype)
+        _require(device in _DEVICES, "device", f"one of {_DEVICES}", device)
+        resolved_device = _resolve_device(device)
+        resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
+        model_limit = int(hf_config.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = model_limit
+        elif max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({model_limit}), "
+                f"got {max_model_len}"
+            )
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            # NOTE: the multi-rank executor is not built yet; refuse rather than run wrong.
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size must be 1 in this build, got "
+                f"{tensor_parallel_size} and {pipeline_parallel_size}"
+            )
+        if not enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return cls(
+            model=ModelConfig(
+                model=model,
+                dtype=resolved_dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                hf_config=hf_config,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                policy=scheduling_policy,
+                full_sequence_must_fit=full_sequence_must_fit,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
+                enable_eplb=enable_eplb,
+            ),
+            device=DeviceConfig(device=resolved_device, attention_backend=attention_backend),
+            kv_transfer=kv_transfer_config,
+        )
+
+
+def load_hf_config(model: str) -> dict[str, Any]:
+    """Read `config.json` from a model folder, with a clear error when it is not one."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model must be a Hugging Face model folder with config.json, got {model!r}"
+        )
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> DType:
+    if dtype != "auto":
+        return dtype  # type: ignore[return-value]
+    if device == "cpu":
+        # NOTE: CPUs without native bf16 (AVX2-only) run bf16 matmuls far slower than fp32.
+        return "float32"
+    declared = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+    return "bfloat16" if declared in ("float32", "bfloat16") else "float16"

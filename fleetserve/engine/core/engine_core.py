@@ -1,0 +1,128 @@
+"""EngineCore: the step loop — schedule, execute, update — over a scheduler and an executor.
+
+    outputs = []
+    so = scheduler.schedule()                       # {req_id: num_new_tokens} under one budget
+    ro = executor.execute_model(so)                 # forward + sample on the workers
+    outputs = scheduler.update_from_output(so, ro)  # append tokens, check stops, free blocks
+
+The offline `LLM` runs it in-process; the server runs it in its own process behind ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
+from fleetserve.engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from fleetserve.engine.core.scheduler import Scheduler
+from fleetserve.engine.request import Request, RequestStatus
+from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; not thread-safe (one caller drives `step`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        num_kv_blocks = self.executor.initialize()
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        self._block_hasher = (
+            get_request_block_hasher(config.cache.block_size)
+            if config.cache.enable_prefix_caching
+            else None
+        )
+        logger.info(
+            "engine core ready: %d KV blocks of %d tokens (%d tokens)",
+            num_kv_blocks,
+            config.cache.block_size,
+            (num_kv_blocks - 1) * config.cache.block_size,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_id: int | None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a validated request (see `validate_prompt`)."""
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                eos_token_id=eos_token_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=arrival_time,
+                block_hasher=self._block_hasher,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests that the front end stopped (a stop string matched)."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Still tell the runner about finished requests so it frees their state.
+            runner_output = (
+                self.executor.execute_model(scheduler_output)
+                if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+                else ModelRunnerOutput.empty()
+            )
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def validate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
+) -> None:
+    """Reject a request before it reaches the engine, so it cannot disturb the others.
+
+    Raises:
+        ValueError: empty prompt, prompt not shorter than max_model_len, or ids out of the vocab.
+    """
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    max_len = config.model.max_model_len
+    if len(prompt_token_ids) >= max_len:
+        raise ValueError(
+            f"prompt is {len(prompt_token_ids)} tokens long, but max_model_len is {max_len}: "
+            "the prompt must be shorter than max_model_len"
+        )
+    vocab = config.model.vocab_size
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model")
+    for token_id in (params.logit_bias or {}).keys() | set(params.allowed_token_ids or ()):
+        if not 0 <= token_id < vocab:
+            raise ValueError(
+                f"token id {token_id} in logit_bias/allowed_token_ids is not in [0, {vocab})"
+            )

@@ -1,0 +1,131 @@
+"""The step contract between the scheduler and the model runner.
+
+`SchedulerOutput` goes scheduler → runner once per step; `ModelRunnerOutput` comes back. Both are
+plain dataclasses of lists and dicts (no tensors) so that they can cross a process boundary.
+
+New requests (and requests resumed after preemption) are sent in full once, as `NewRequestData`;
+requests the runner already holds are sent as deltas in `CachedRequestData`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner does not hold yet (or must rebuild after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Outputs generated before a preemption (empty for a fresh request)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    """The request's whole block table."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache (prefix hit or external load) before this step."""
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step deltas for requests the runner already holds (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Tokens sampled last step, for runners that do not keep them (pipeline ranks)."""
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to each request's block table this step (block tables are append-only)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id → tokens to compute this step (a prefill chunk or 1 decode token)."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    """Requests finished or aborted since the last step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the runner drops them from the batch (they return as new)."""
+    new_block_ids_to_zero: list[int] = field(default_factory=list)
+    """Freshly allocated blocks to zero before use (stale NaNs would poison attention)."""
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Sampled-token logprobs, row per sampled token (parallel lists, row order = req order).
+
+    `logprob_token_ids[i][0]` is the sampled token, followed by the top-k tokens;
+    `logprobs[i]` are their log-probabilities; `sampled_token_ranks[i]` the sampled token's rank
+    (1 = most likely) in the raw distribution.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Result of one step, in the order of `req_ids`."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Only for requests that asked for logprobs and sampled a token this step."""
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core reports for one request after a step (sent to the front end)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None
+    """'stop', 'length' or 'abort' once finished, else None."""
+    stop_reason: int | str | None = None
+    """The stop token id (or, set by the front end, the stop string) that ended it."""
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """Scheduler state after a step, for metrics and the periodic stats log."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction of usable KV blocks (excluding the null block) held by requests, in [0, 1]."""
+    prefix_cache_queries: int = 0
+    """Cumulative tokens looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Cumulative tokens found in the prefix cache."""
+    num_preemptions: int = 0
+    """Cumulative preemptions."""

@@ -1,0 +1,39 @@
+"""RMSNorm with an optional fused residual add (the vLLM calling convention).
+
+`norm(x)` returns the normalised tensor; `norm(x, residual)` first adds `x` to `residual` and
+returns `(normed(x + residual), x + residual)`, so decoder layers carry the residual stream
+without a separate add kernel per sub-block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 like Hugging Face's LlamaRMSNorm."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.
+        summed = x + residual
+        return self._norm(summed), summed

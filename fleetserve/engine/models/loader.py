@@ -1,0 +1,117 @@
+"""Build a model from a Hugging Face folder: config.json + *.safetensors → our modules on a device.
+
+Weights stream tensor by tensor from `safe_open` (never a whole file in memory), are cast to the
+engine dtype and copied into pre-allocated parameters on the target device. The lm_head is tied to
+the embedding when the config says so or when the checkpoint has no `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.layers.attention import select_attention_backend
+from fleetserve.engine.models.interface import CausalLM
+from fleetserve.engine.models.llama import head_size_of
+from fleetserve.engine.models.registry import resolve_model_class
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Raises ValueError for names outside float32 / bfloat16 / float16."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint shards: those the index names, else the single/all *.safetensors files.
+
+    Raises:
+        ValueError: the folder holds no safetensors weights.
+    """
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(root)!r} must contain *.safetensors weights")
+    return files
+
+
+def iterate_weights(
+    model_dir: str | Path, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor cast to `dtype`) for every tensor of every shard."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def read_eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]:
+    """EOS ids from generation_config.json (preferred) or config.json; an int or list in either."""
+    candidates: list[Any] = []
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    candidates.append(hf_config.get("eos_token_id"))
+    for value in candidates:
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if ids:
+            return [int(i) for i in ids]
+    return []
+
+
+def load_model(config: EngineConfig) -> CausalLM:
+    """Construct the configured architecture on the device and fill it from the checkpoint.
+
+    Raises:
+        ValueError: unknown architecture, no usable attention backend, a shape mismatch, or
+            parameters the checkpoint does not provide.
+    """
+    hf_config = config.model.hf_config
+    model_cls = resolve_model_class(config.model.architecture)
+    dtype = torch_dtype(config.model.dtype)
+    device = torch.device(config.device.device)
+    backend = select_attention_backend(
+        config.device.attention_backend,
+        head_size_of(hf_config),
+        dtype,
+        config.cache.block_size,
+        device,
+    )
+    model = model_cls(
+        hf_config,
+        attn_backend=backend,
+        max_position=config.model.max_model_len,
+        dtype=dtype,
+        device=device,
+    )
+    loaded = model.load_weights(iterate_weights(config.model.model, dtype))
+    expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if "lm_head.weight" in expected - loaded and "model.embed_tokens.weight" in loaded:
+        model.tie_lm_head()
+        loaded.add("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(
+            f"checkpoint in {config.model.model!r} lacks parameters: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+    return model.eval()

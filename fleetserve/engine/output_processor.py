@@ -1,0 +1,215 @@
+"""Front-end side of a request: detokenize, check stop strings, build `RequestOutput`s.
+
+The engine core only sees token ids; this processor owns each request's incremental detokenizer
+and logprobs, fans `n > 1` requests out into n child requests (ids `"{index}_{request_id}"`) and
+gathers them back. A stop string is found here, not in the engine core, so `process_outputs`
+returns the ids the caller must finish in the engine (as FINISHED_STOPPED).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists
+from fleetserve.engine.detokenizer import IncrementalDetokenizer
+from fleetserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from fleetserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class OutputKind(enum.Enum):
+    FINAL = "final"
+    """One RequestOutput when every sequence has finished (offline `generate`)."""
+    DELTA = "delta"
+    """Each output carries only the new text/tokens since the previous one (streaming)."""
+    CUMULATIVE = "cumulative"
+    """Each output carries everything so far."""
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{index}_{request_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Per-sequence params of an n > 1 request: n=1, and distinct seeds derived from the seed."""
+    seed = None if params.seed is None else params.seed + index
+    return params.clone(n=1, seed=seed)
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: OutputKind
+    sequences: dict[str, _Sequence]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_finish: list[str]
+    """Child ids that matched a stop string: finish them in the engine as FINISHED_STOPPED."""
+
+
+class OutputProcessor:
+    """Tracks live requests by child id and turns engine-core outputs into RequestOutputs."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kind: OutputKind = OutputKind.FINAL,
+    ) -> dict[str, SamplingParams]:
+        """Register a request; returns {child id: child params} to add to the engine core."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        children = (
+            {request_id: params}
+            if params.n == 1
+            else {child_request_id(request_id, i): child_params(params, i) for i in range(params.n)}
+        )
+        sequences = {
+            child_id: _Sequence(
+                index=i,
+                detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_token_ids, child),
+                want_logprobs=child.logprobs is not None,
+            )
+            for i, (child_id, child) in enumerate(children.items())
+        }
+        self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, kind, sequences)
+        for child_id in children:
+            self._child_to_parent[child_id] = request_id
+        return children
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return list(parent.sequences) if parent else []
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request (by parent id); returns the child ids to abort in the engine."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child_id in parent.sequences:
+            self._child_to_parent.pop(child_id, None)
+        return list(parent.sequences)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[str, _Parent] = {}
+        to_finish: list[str] = []
+        for out in outputs:
+            parent_id = self._child_to_parent.get(out.req_id)
+            if parent_id is None:
+                continue  # aborted by the caller while the step ran
+            parent = self._parents[parent_id]
+            seq = parent.sequences[out.req_id]
+            if seq.finish_reason is not None:
+                continue
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if self._apply(seq, out):
+                to_finish.append(out.req_id)
+            touched[parent_id] = parent
+        results = []
+        for parent in touched.values():
+            if parent.kind is OutputKind.FINAL and not parent.finished:
+                continue
+            results.append(self._make_output(parent))
+            if parent.finished:
+                self.abort_request(parent.request_id)
+        return ProcessedOutputs(results, to_finish)
+
+    def _apply(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Fold one engine output into the sequence; True when a stop string ended it."""
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.want_logprobs and out.new_logprobs is not None:
+            self._add_logprobs(seq, out.new_logprobs)
+        stop_str = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+            return out.finish_reason is None
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _add_logprobs(self, seq: _Sequence, rows: LogprobsLists) -> None:
+        for ids, values, rank in zip(
+            rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks, strict=True
+        ):
+            entry: dict[int, Logprob] = {}
+            for pos, (token_id, value) in enumerate(zip(ids, values, strict=True)):
+                if token_id in entry:
+                    continue  # the sampled token also appears among the top-k
+                entry[token_id] = Logprob(
+                    logprob=value,
+                    rank=rank if pos == 0 else pos,
+                    decoded_token=str(self._tokenizer.decode([token_id])),
+                )
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += values[0]
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        delta = parent.kind is OutputKind.DELTA
+        completions = []
+        for seq in sorted(parent.sequences.values(), key=lambda s: s.index):
+            finished = seq.finish_reason is not None
+            text = seq.detokenizer.get_next_output_text(finished, delta)
+            token_ids = seq.token_ids[seq.sent_tokens :] if delta else list(seq.token_ids)
+            logprobs = seq.logprobs[seq.sent_logprobs :] if delta else list(seq.logprobs)
+            if delta:
+                seq.sent_tokens, seq.sent_logprobs = len(seq.token_ids), len(seq.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=logprobs if seq.want_logprobs else None,
+                    cumulative_logprob=seq.cumulative_logprob if seq.want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+        )

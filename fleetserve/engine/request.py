@@ -1,0 +1,130 @@
+"""The engine-side request and its state machine.
+
+    WAITING ──schedule──► RUNNING ──(eos | stop token | max_tokens | max_model_len)──► FINISHED_*
+       ▲                    │
+       └──── PREEMPTED ◄────┘  (blocks freed, num_computed_tokens reset; resumes by recompute)
+
+Any live state can go to FINISHED_ABORTED. The scheduler owns the transitions; the request only
+keeps the token lists and counters the scheduler needs (`num_computed_tokens` catching up with
+`num_tokens`: there is no prefill or decode phase).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fleetserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fleetserve.engine.core.kv_cache_utils import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish_reason for a finished status: 'stop', 'length' or 'abort'."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+BlockHasher = Callable[["Request"], "list[BlockHash]"]
+"""Returns the hashes of the request's newly completed full blocks (see kv_cache_utils)."""
+
+
+class Request:
+    """One sequence being generated (a `SamplingParams.n > 1` request becomes n of these)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        """The stop token id or stop string that ended the request, if any."""
+
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        """Tokens whose KV is in the cache (prefix hits and external loads count)."""
+        self.num_cached_tokens = -1
+        """Prefix-cache hit length at first scheduling (-1 until scheduled)."""
+        self.num_preemptions = 0
+        self.max_tokens = sampling_params.max_tokens
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        self.update_block_hashes()
+
+    # -- token bookkeeping -------------------------------------------------------------------
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (read-only view by convention)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Extend `block_hashes` with every full block completed since the last call."""
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

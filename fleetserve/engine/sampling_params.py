@@ -1,0 +1,167 @@
+"""`SamplingParams`: per-request decoding settings, vLLM-compatible names and semantics.
+
+Construction validates every field; an invalid value or an unknown keyword raises `ValueError`
+naming the field and the allowed range, so a bad request is rejected before it reaches the engine
+and never disturbs the other requests of a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are treated as greedy (argmax); also guards the division."""
+
+MAX_LOGPROBS = 20
+"""Most top logprobs one request may ask for (-1 asks for the whole vocabulary)."""
+
+
+class SamplingParams:
+    """Decoding settings of one request (see vLLM's `SamplingParams` for the field meanings)."""
+
+    __slots__ = (
+        "allowed_token_ids",
+        "frequency_penalty",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "min_p",
+        "min_tokens",
+        "n",
+        "presence_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "temperature",
+        "top_k",
+        "top_p",
+    )
+
+    def __init__(
+        self,
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        logit_bias: dict[int, float] | None = None,
+        allowed_token_ids: list[int] | None = None,
+        include_stop_str_in_output: bool = False,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            allowed = ", ".join(sorted(self.__slots__))
+            raise ValueError(
+                f"unknown sampling field(s) {sorted(unknown)}; allowed fields are: {allowed}"
+            )
+        self.n = n
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        # NOTE: vLLM used -1 for "no top-k" before 0; both mean disabled here.
+        self.top_k = 0 if top_k == -1 else top_k
+        self.min_p = float(min_p)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
+        self.repetition_penalty = float(repetition_penalty)
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop: list[str] = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop_token_ids: list[int] = list(stop_token_ids or [])
+        self.ignore_eos = ignore_eos
+        self.logprobs = logprobs
+        self.logit_bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
+        self.allowed_token_ids = list(allowed_token_ids) if allowed_token_ids else None
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """Build from a plain dict (e.g. a msgpack payload); unknown keys raise ValueError."""
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form for crossing process boundaries."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return SamplingParams(**{**self.to_dict(), **changes})
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"SamplingParams({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters held back while streaming so a partial stop string never leaks."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        check(self.temperature >= 0.0, "temperature", ">= 0")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 (disabled) or >= 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "an integer >= 1 or None",
+        )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            "an integer >= 0",
+        )
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "non-negative integers",
+        )
+        check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and -1 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"None, -1 (whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        if self.logit_bias:
+            check(
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias",
+                "a map of token id to a bias in [-100, 100]",
+            )

@@ -1,0 +1,321 @@
+"""The model runner: persistent batch + model + paged KV cache + sampler, one step at a time.
+
+Lifecycle: `load_model()` → `determine_num_kv_blocks()` → `initialize_kv_cache(n)` → per step
+`execute_model(scheduler_output)`. Each step (seed notes part 1 §2.15–2.16):
+
+1. `_update_states`: drop finished requests (state deleted) and preempted ones (state kept, so a
+   seeded generator continues when the request returns as new), zero freshly allocated blocks,
+   add new requests, apply the deltas of cached ones, condense the batch.
+2. `_prepare_inputs`: flat input ids, positions (num_computed_tokens + i), slot mapping
+   (block_id * block_size + offset), attention metadata.
+3. forward under `torch.inference_mode()`; logits only for requests whose every token is computed
+   after this step (a prefill chunk that stops short samples nothing).
+4. sample, append the sampled tokens to the requests' states, report them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.outputs import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from fleetserve.engine.layers.attention import AttentionMetadata, build_attention_metadata
+from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from fleetserve.engine.models.interface import CausalLM
+from fleetserve.engine.models.llama import head_size_of
+from fleetserve.engine.models.loader import load_model, read_eos_token_ids, torch_dtype
+from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+_CUDA_RESERVE_BYTES = 512 << 20
+"""Headroom left on the GPU for the allocator, kernels' workspaces and the logits."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _StepInputs:
+    req_ids: list[str]
+    """Scheduled requests in row order (the order of the flat token dimension)."""
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_req_indices: list[int]
+    """Indices into `req_ids` of the requests that sample this step."""
+    logits_indices: torch.Tensor  # [num_sampling] int64, their last token in the flat batch
+
+
+class ModelRunner:
+    """Runs the model for one engine rank (single-rank for now)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = torch_dtype(config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len
+        hf_config = config.model.hf_config
+        self.num_layers = int(hf_config["num_hidden_layers"])
+        num_heads = int(hf_config["num_attention_heads"])
+        self.num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+        self.head_size = head_size_of(hf_config)
+        self.vocab_size = config.model.vocab_size
+        eos_ids = read_eos_token_ids(config.model.model, hf_config)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.max_num_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, self.max_model_len, self.max_num_blocks_per_req
+        )
+        default_generator = torch.Generator(device=self.device)
+        default_generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(default_generator)
+        self.model: CausalLM | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes across all layers (keys and values)."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * element_bytes
+        return per_layer * self.num_layers
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks to allocate, including the null block 0.
+
+        The configured `num_kv_blocks` wins; otherwise the CPU budget or the free GPU memory
+        (after loading) sets it, capped at what max_num_seqs full-length requests can use.
+
+        Raises:
+            ValueError: the memory budget does not fit even two blocks.
+        """
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        block_bytes = self.get_kv_cache_block_bytes()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.cache.gpu_memory_utilization) - used
+            budget -= _CUDA_RESERVE_BYTES + self._activation_bytes()
+        else:
+            budget = self.config.cache.cpu_kv_cache_space_bytes
+        num_blocks = budget // block_bytes
+        needed = self.config.scheduler.max_num_seqs * self.max_num_blocks_per_req + 1
+        num_blocks = min(num_blocks, needed)
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
+                f"{block_bytes} bytes; raise gpu_memory_utilization / cpu_kv_cache_space_bytes "
+                "or set num_kv_blocks"
+            )
+        return int(num_blocks)
+
+    def _activation_bytes(self) -> int:
+        """Rough peak of one step's activations (NOTE: an estimate, not a profiling run)."""
+        hf_config = self.config.model.hf_config
+        width = 6 * int(hf_config["hidden_size"]) + 3 * int(hf_config["intermediate_size"])
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        tokens = self.config.scheduler.max_num_batched_tokens
+        logits = self.config.scheduler.max_num_seqs * self.vocab_size * 4 * 3
+        return tokens * width * element_bytes + logits
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one zeroed [2, num_blocks, block_size, num_kv_heads, head_size] per layer."""
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled tokens of every scheduled request (maybe empty)."""
+        assert self.model is not None, "load_model() must run before execute_model()"
+        assert self.kv_caches, "initialize_kv_cache() must run before execute_model()"
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        inputs = self._prepare_inputs(scheduler_output)
+        with torch.inference_mode():
+            hidden_states = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+            )
+            sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+            logprobs: dict[str, LogprobsLists] = {}
+            if inputs.sample_req_indices:
+                logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+                states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
+                output = self.sampler(logits, self._sampling_metadata(states))
+                for row, (state, token_id) in enumerate(
+                    zip(states, output.sampled_token_ids.tolist(), strict=True)
+                ):
+                    sampled[inputs.sample_req_indices[row]] = [int(token_id)]
+                    self._append_token(state, int(token_id))
+                    k = state.sampling_params.logprobs
+                    if k is not None and output.logprobs is not None:
+                        logprobs[state.req_id] = _logprobs_row(
+                            output.logprobs, row, k, self.vocab_size
+                        )
+        for req_id in inputs.req_ids:
+            state = self.requests[req_id]
+            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            row = self.input_batch.req_id_to_index[req_id]
+            self.input_batch.num_computed_tokens[row] = state.num_computed_tokens
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        # NOTE: finished first: an aborted id may be resubmitted in the same step as a new request.
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)
+        if so.new_block_ids_to_zero:
+            block_ids = torch.tensor(so.new_block_ids_to_zero, device=self.device)
+            for kv_cache in self.kv_caches:
+                kv_cache[:, block_ids] = 0
+        for new in so.scheduled_new_reqs:
+            batch.remove_request(new.req_id)
+        batch.condense()
+        for new in so.scheduled_new_reqs:
+            state = self._new_request_state(new)
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            state.block_ids.extend(cached.new_block_ids[i])
+            if req_id not in batch.req_id_to_index:
+                batch.add_request(state)
+            else:
+                batch.append_block_ids(req_id, cached.new_block_ids[i])
+                row = batch.req_id_to_index[req_id]
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+            if cached.new_token_ids[i]:
+                self._sync_tokens(state, cached.new_token_ids[i])
+
+    def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
+        previous = self.requests.get(new.req_id)
+        generator = previous.generator if previous is not None else None
+        seed = new.sampling_params.seed
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+        return CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            sampling_params=new.sampling_params,
+            generator=generator,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            num_synced_tokens=num_tokens,
+        )
+
+    def _sync_tokens(self, state: CachedRequestState, new_token_ids: list[int]) -> None:
+        """Adopt the scheduler's view: its tokens after the last sync replace ours."""
+        base = state.num_synced_tokens
+        assert base >= len(state.prompt_token_ids), "sync point inside the prompt"
+        state.output_token_ids = state.output_token_ids[: base - len(state.prompt_token_ids)]
+        state.output_token_ids.extend(new_token_ids)
+        state.num_synced_tokens = state.num_tokens
+        room = max(self.max_model_len - base, 0)
+        self.input_batch.set_tokens(state.req_id, base, new_token_ids[:room])
+
+    def _append_token(self, state: CachedRequestState, token_id: int) -> None:
+        state.output_token_ids.append(token_id)
+        # NOTE: a token past max_model_len is reported (the scheduler finishes the request with
+        # 'length') but never computed, so it needs no row slot.
+        if state.num_tokens <= self.max_model_len:
+            self.input_batch.set_tokens(state.req_id, state.num_tokens - 1, [token_id])
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        batch = self.input_batch
+        scheduled = sorted(
+            (r for r, n in so.num_scheduled_tokens.items() if n > 0),
+            key=lambda r: batch.req_id_to_index[r],
+        )
+        rows = np.array([batch.req_id_to_index[r] for r in scheduled], dtype=np.int64)
+        query_lens = np.array([so.num_scheduled_tokens[r] for r in scheduled], dtype=np.int64)
+        starts = batch.num_computed_tokens[rows].astype(np.int64)
+        seq_lens = starts + query_lens
+        assert (seq_lens <= batch.num_tokens[rows]).all(), "scheduled beyond the known tokens"
+        cu_query = np.cumsum(query_lens)
+        total = int(cu_query[-1])
+        token_rows = np.repeat(rows, query_lens)
+        offsets = np.arange(total) - np.repeat(cu_query - query_lens, query_lens)
+        positions = np.repeat(starts, query_lens) + offsets
+        block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        num_table_cols = _cdiv(int(seq_lens.max()), self.block_size)
+        block_table = torch.from_numpy(batch.block_table[rows, :num_table_cols])
+        metadata = build_attention_metadata(
+            query_lens.tolist(),
+            seq_lens.tolist(),
+            block_table,
+            torch.from_numpy(slot_mapping),
+            self.block_size,
+            self.device,
+        )
+        sample_idx = [i for i, row in enumerate(rows) if seq_lens[i] == batch.num_tokens[row]]
+        return _StepInputs(
+            req_ids=scheduled,
+            input_ids=torch.from_numpy(batch.token_ids[token_rows, positions]).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            metadata=metadata,
+            sample_req_indices=sample_idx,
+            logits_indices=torch.from_numpy(cu_query[sample_idx] - 1).to(self.device),
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        return build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            generators,
+            [self.eos_token_id] * len(states),
+            self.vocab_size,
+            self.device,
+        )
+
+
+def _logprobs_row(lists: LogprobsLists, row: int, k: int, vocab_size: int) -> LogprobsLists:
+    """One request's row, cut to its own k (the batch computed the largest k asked for)."""
+    token_ids, values = lists.logprob_token_ids[row], lists.logprobs[row]
+    num_listed = len(token_ids) - 1
+    if k != -1 and k < num_listed:
+        if num_listed == vocab_size:
+            # NOTE: a batch that asked for the whole vocabulary lists it in id order, not by rank.
+            top = heapq.nlargest(k, zip(values[1:], token_ids[1:], strict=True))
+            token_ids = [token_ids[0], *(t for _, t in top)]
+            values = [values[0], *(v for v, _ in top)]
+        else:
+            token_ids, values = token_ids[: k + 1], values[: k + 1]
+    return LogprobsLists(
+        logprob_token_ids=[list(token_ids)],
+        logprobs=[list(values)],
+        sampled_token_ranks=[lists.sampled_token_ranks[row]],
+    )

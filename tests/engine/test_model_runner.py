@@ -1,0 +1,303 @@
+"""ModelRunner driven directly with hand-built SchedulerOutputs (no scheduler involved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.worker.executor import UniProcExecutor
+from fleetserve.engine.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+PROMPT_A = [5, 17, 300, 42, 9, 77, 128, 3, 250, 11, 64, 499, 7]
+PROMPT_B = [8, 400, 23, 23, 100]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    params: SamplingParams
+    outputs: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_sent: int = 0
+    is_new: bool = True
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+class _Driver:
+    """A scripted stand-in for the scheduler: it emits exactly the messages the runner expects."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.reqs: dict[str, _Req] = {}
+        self.next_block = 1
+        self.finished: set[str] = set()
+        self.preempted: set[str] = set()
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
+        self.reqs[req_id] = _Req(list(prompt), params)
+
+    def finish(self, req_id: str) -> None:
+        del self.reqs[req_id]
+        self.finished.add(req_id)
+
+    def preempt(self, req_id: str) -> None:
+        req = self.reqs[req_id]
+        req.blocks, req.num_computed, req.is_new = [], 0, True
+        self.preempted.add(req_id)
+
+    def step(self, num_tokens: dict[str, int]) -> ModelRunnerOutput:
+        new_reqs, cached = [], CachedRequestData()
+        for req_id, n in num_tokens.items():
+            req = self.reqs[req_id]
+            needed = -(-(req.num_computed + n) // BLOCK_SIZE) - len(req.blocks)
+            new_blocks = list(range(self.next_block, self.next_block + needed))
+            self.next_block += needed
+            req.blocks += new_blocks
+            if req.is_new:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id,
+                        req.prompt,
+                        list(req.outputs),
+                        req.params,
+                        list(req.blocks),
+                        req.num_computed,
+                    )
+                )
+                req.is_new = False
+            else:
+                cached.req_ids.append(req_id)
+                cached.new_token_ids.append(req.tokens[req.num_sent :])
+                cached.new_block_ids.append(new_blocks)
+                cached.num_computed_tokens.append(req.num_computed)
+            req.num_sent = len(req.tokens)
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(num_tokens),
+            total_num_scheduled_tokens=sum(num_tokens.values()),
+            finished_req_ids=self.finished,
+            preempted_req_ids=self.preempted,
+        )
+        self.finished, self.preempted = set(), set()
+        out = self.runner.execute_model(so)
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            self.reqs[req_id].num_computed += num_tokens[req_id]
+            self.reqs[req_id].outputs += sampled
+        return out
+
+    def decode(self, req_ids: list[str], steps: int) -> None:
+        for _ in range(steps):
+            self.step(dict.fromkeys(req_ids, 1))
+
+
+def _make_runner(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> ModelRunner:
+    config = EngineConfig.create(
+        str(model_dir),
+        dtype=dtype,
+        device=device,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_model_len=64,
+    )
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_kv_blocks())
+    return runner
+
+
+@pytest.fixture
+def runner(tiny_llama_dir: Path) -> ModelRunner:
+    return _make_runner(tiny_llama_dir)
+
+
+def _alone(
+    runner: ModelRunner,
+    prompt: list[int],
+    steps: int,
+    chunks: list[int] | None = None,
+    params: SamplingParams = GREEDY,
+) -> list[int]:
+    driver = _Driver(runner)
+    driver.add("x", prompt, params)
+    for chunk in chunks or [len(prompt)]:
+        driver.step({"x": chunk})
+    driver.decode(["x"], steps)
+    return driver.reqs["x"].outputs
+
+
+def test_greedy_tokens_match_hf_generate(runner: ModelRunner, tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf: Any = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    expected = hf.generate(
+        torch.tensor([PROMPT_A]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+    )[0, len(PROMPT_A) :].tolist()
+    assert _alone(runner, PROMPT_A, steps=7) == expected
+
+
+def test_chunked_prefill_equals_single_prefill(runner: ModelRunner, tiny_llama_dir: Path) -> None:
+    driver = _Driver(runner)
+    driver.add("x", PROMPT_A)
+    first = driver.step({"x": 6})
+    assert first.req_ids == ["x"] and first.sampled_token_ids == [[]]
+    driver.step({"x": 7})
+    driver.decode(["x"], 5)
+    chunked = driver.reqs["x"].outputs
+    driver.finish("x")
+    assert chunked == _alone(runner, PROMPT_A, steps=5)
+    assert len(chunked) == 6
+
+
+def test_two_requests_batched_equal_alone(runner: ModelRunner) -> None:
+    alone_a = _alone(runner, PROMPT_A, steps=6)
+    runner.execute_model(_empty_output(finished={"x"}))
+    alone_b = _alone(runner, PROMPT_B, steps=6)
+    runner.execute_model(_empty_output(finished={"x"}))
+    driver = _Driver(runner)
+    driver.add("a", PROMPT_A)
+    driver.add("b", PROMPT_B)
+    driver.step({"a": 8})  # a's first chunk alone
+    driver.step({"a": 5, "b": 5})  # a finishes its prompt while b prefills
+    driver.decode(["a", "b"], 6)
+    driver.step({"b": 1})  # b runs one more step while a stays in the batch unscheduled
+    assert driver.reqs["a"].outputs == alone_a
+    assert driver.reqs["b"].outputs[:7] == alone_b
+    assert len(driver.reqs["b"].outputs) == 8
+
+
+def test_abort_and_resubmit_same_id(runner: ModelRunner) -> None:
+    expected = _alone(runner, PROMPT_B, steps=4)
+    runner.execute_model(_empty_output(finished={"x"}))
+    driver = _Driver(runner)
+    driver.add("x", PROMPT_A)
+    driver.step({"x": 13})
+    driver.decode(["x"], 2)
+    driver.finish("x")
+    driver.add("x", PROMPT_B)  # same id, same step as the abort
+    driver.step({"x": 5})
+    driver.decode(["x"], 4)
+    assert driver.reqs["x"].outputs == expected
+    assert runner.input_batch.num_reqs == 1
+
+
+def test_preempted_request_resumes_with_same_greedy_tokens(runner: ModelRunner) -> None:
+    expected = _alone(runner, PROMPT_A, steps=8)
+    runner.execute_model(_empty_output(finished={"x"}))
+    driver = _Driver(runner)
+    driver.add("x", PROMPT_A)
+    driver.add("y", PROMPT_B)
+    driver.step({"x": 13, "y": 5})
+    driver.decode(["x", "y"], 3)
+    driver.preempt("x")
+    driver.step({"y": 1})  # x is out of the batch; y keeps decoding
+    assert runner.input_batch.num_reqs == 1
+    # x returns as a new request carrying its outputs; it recomputes everything in one chunk
+    driver.step({"x": len(driver.reqs["x"].tokens)})
+    driver.decode(["x"], 4)
+    assert driver.reqs["x"].outputs == expected
+
+
+def test_seeded_sampling_continues_across_preemption(runner: ModelRunner) -> None:
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=64)
+    expected = _alone(runner, PROMPT_B, steps=9, params=params)
+    runner.execute_model(_empty_output(finished={"x"}))
+    assert _alone(runner, PROMPT_B, steps=9, params=params) == expected
+    runner.execute_model(_empty_output(finished={"x"}))
+    driver = _Driver(runner)
+    driver.add("x", PROMPT_B, params)
+    driver.add("noise", PROMPT_A, SamplingParams(temperature=1.0, max_tokens=64))
+    driver.step({"x": 5, "noise": 13})
+    driver.decode(["x", "noise"], 3)
+    driver.preempt("x")
+    driver.step({"noise": 1})
+    driver.step({"x": len(driver.reqs["x"].tokens)})
+    driver.decode(["x"], 5)
+    assert driver.reqs["x"].outputs == expected
+
+
+def test_logprobs_are_sliced_to_each_requests_k(runner: ModelRunner) -> None:
+    driver = _Driver(runner)
+    driver.add("k2", PROMPT_A, SamplingParams(temperature=0.0, logprobs=2))
+    driver.add("k5", PROMPT_B, SamplingParams(temperature=0.0, logprobs=5))
+    driver.add("none", [1, 2, 3])
+    out = driver.step({"k2": 13, "k5": 5, "none": 3})
+    assert set(out.logprobs) == {"k2", "k5"}
+    k2 = out.logprobs["k2"]
+    assert len(k2.logprob_token_ids[0]) == 3 and len(k2.logprobs[0]) == 3
+    assert k2.logprob_token_ids[0][0] == driver.reqs["k2"].outputs[0]
+    assert k2.sampled_token_ranks == [1]  # greedy picks the top token
+    assert len(out.logprobs["k5"].logprob_token_ids[0]) == 6
+
+
+def test_new_blocks_are_zeroed(runner: ModelRunner) -> None:
+    for kv_cache in runner.kv_caches:
+        kv_cache[:, 5:7] = float("nan")
+    runner.execute_model(_empty_output(zero=[5, 6]))
+    assert all(kv_cache[:, 5:7].eq(0).all() for kv_cache in runner.kv_caches)
+
+
+def test_kv_block_count(tiny_llama_dir: Path) -> None:
+    config = EngineConfig.create(
+        str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=2,
+        max_model_len=64,
+    )
+    runner = ModelRunner(config)
+    # 2 layers x (K + V) x 4 tokens x 2 kv heads x 32 dims x 4 bytes
+    assert runner.get_kv_cache_block_bytes() == 2 * 2 * 4 * 2 * 32 * 4
+    # capped at max_num_seqs x ceil(64 / 4) blocks + the null block
+    assert runner.determine_num_kv_blocks() == 2 * 16 + 1
+    executor = UniProcExecutor(config)
+    assert executor.initialize() == 33
+    assert executor.runner.kv_caches[0].shape == (2, 33, BLOCK_SIZE, 2, 32)
+    executor.shutdown()
+
+
+def _empty_output(
+    finished: set[str] | None = None, zero: list[int] | None = None
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=finished or set(),
+        new_block_ids_to_zero=zero or [],
+    )
+
+
+def test_bfloat16_runner_generates(tiny_qwen2_dir: Path) -> None:
+    reference = _alone(_make_runner(tiny_qwen2_dir), PROMPT_A, steps=5)
+    tokens = _alone(_make_runner(tiny_qwen2_dir, dtype="bfloat16"), PROMPT_A, steps=5)
+    assert len(tokens) == 6 and tokens[0] == reference[0]
+
+
+@pytest.mark.gpu
+def test_cuda_runner_matches_cpu(tiny_qwen2_dir: Path) -> None:
+    expected = _alone(_make_runner(tiny_qwen2_dir), PROMPT_A, steps=6)
+    assert _alone(_make_runner(tiny_qwen2_dir, device="cuda"), PROMPT_A, steps=6) == expected
+    bf16 = _alone(_make_runner(tiny_qwen2_dir, device="cuda", dtype="bfloat16"), PROMPT_A, steps=6)
+    assert bf16[0] == expected[0]

@@ -1,0 +1,92 @@
+"""Tiny random-weight HF checkpoints for model, runner and end-to-end fidelity tests.
+
+`make_tiny_model(tmp_path, "llama")` builds a transformers model from a small config with a fixed
+seed, saves it with `save_pretrained` (config.json + model.safetensors) next to a tiny byte-level
+tokenizer (every id in the vocabulary decodes to text) and returns the folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '</s>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def save_tiny_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer: <unk>=0, <s>=1, </s>=2, the 256 bytes, then filler tokens.
+
+    No merges, so any text encodes byte by byte; filler ids decode to `<tN>` so that whatever a
+    random-weight model generates can be detokenized.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    symbols = specials + sorted(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < len(symbols):
+        raise ValueError(f"vocab_size must be >= {len(symbols)} for the tiny tokenizer")
+    symbols += [f"<t{i}>" for i in range(len(symbols), vocab_size)]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+    wrapped.save_pretrained(out)
+
+
+def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight tiny `arch` ("llama" or "qwen2") model under tmp_path; return its dir.
+
+    Overrides replace TINY_CONFIG keys (e.g. `rope_scaling={...}`, `tie_word_embeddings=True`).
+    Weights are drawn with a larger std than HF's default so logits are far from uniform and
+    greedy argmax is not decided by rounding noise.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    if arch not in config_classes:
+        raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
+    config = config_classes[arch](**{**TINY_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.2 * torch.randn_like(param))
+    out = tmp_path / f"tiny-{arch}-{seed}"
+    model.save_pretrained(out)
+    save_tiny_tokenizer(out, int(config.vocab_size))
+    return out
