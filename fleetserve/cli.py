@@ -32,6 +32,12 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from fleetserve.bench.serve import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="Python logging level")
@@ -58,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     offline = bench_sub.add_parser("offline", help="offline throughput vs peers")
     add_offline_arguments(offline)
     offline.set_defaults(func=_cmd_bench_offline)
+    from fleetserve.bench.serve import add_arguments as add_serve_arguments
+
+    serve_bench = bench_sub.add_parser("serve", help="online serving benchmark (TTFT/TPOT/ITL)")
+    add_serve_arguments(serve_bench)
+    serve_bench.set_defaults(func=_cmd_bench_serve)
+
+    from fleetserve.server.cli import register as register_serve
+
+    register_serve(sub)
 
     return parser
 

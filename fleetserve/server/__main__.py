@@ -1,0 +1,28 @@
+"""`python -m fleetserve.server MODEL [flags]`: the same as `fleetserve serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from fleetserve.server.cli import add_arguments, run_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetserve.server", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return run_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP server of one engine: `create_app(config) -> web.Application`.
+
+Lifecycle: the app's cleanup context spawns the EngineCore process through `AsyncLLM` (the model
+loads there), starts the periodic stats log, and on shutdown stops both. State lives in typed
+`web.AppKey`s on the app (no module globals), so tests can run several apps in one process.
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/health (200 only while the engine core process lives), /metrics (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from fleetserve.engine.chat import apply_chat_template
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.metrics import EngineMetrics
+from fleetserve.server.async_llm import AsyncLLM
+from fleetserve.server.errors import (
+    RequestError,
+    error_middleware,
+    error_response,
+    make_auth_middleware,
+    parse_body,
+)
+from fleetserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from fleetserve.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `create_app` needs besides the engine's own configuration."""
+
+    engine: EngineConfig
+    served_model_name: str
+    """The `model` name clients send and /v1/models lists."""
+    api_key: str | None = None
+    """When set, /v1 routes require `Authorization: Bearer <api_key>`."""
+    max_waiting_requests: int = 1024
+    """Sequences allowed to wait for a batch slot; beyond it requests get 429 + Retry-After."""
+    stats_log_interval_s: float = 10.0
+    """Period of the one-line stats log (0 disables it)."""
+    startup_timeout_s: float = 600.0
+    """How long the engine core may take to load the model."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.stats_log_interval_s < 0:
+            raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
+
+
+CONFIG_KEY = web.AppKey("config", ServerConfig)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+ENGINE_KEY = web.AppKey("engine", AsyncLLM)
+SERVING_KEY = web.AppKey("serving", OpenAIServing)
+
+
+def create_app(config: ServerConfig) -> web.Application:
+    """Build the app; the engine core process starts when the app starts (cleanup_ctx)."""
+    middlewares: list[Middleware] = [error_middleware]
+    if config.api_key:
+        middlewares.append(make_auth_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app[CONFIG_KEY] = config
+    app[REGISTRY_KEY] = CollectorRegistry()
+    app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_stats_log_ctx)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    return app
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    metrics = EngineMetrics(app[REGISTRY_KEY], config.served_model_name)
+    engine = AsyncLLM(
+        config.engine, metrics=metrics, max_waiting_requests=config.max_waiting_requests
+    )
+    try:
+        await engine.start(config.startup_timeout_s)
+    except BaseException:
+        await engine.shutdown()
+        raise
+    app[ENGINE_KEY] = engine
+    app[SERVING_KEY] = OpenAIServing(engine, config.served_model_name)
+    yield
+    await engine.shutdown()
+
+
+async def _stats_log_ctx(app: web.Application) -> AsyncIterator[None]:
+    interval_s = app[CONFIG_KEY].stats_log_interval_s
+    if interval_s <= 0:
+        yield
+        return
+    engine = app[ENGINE_KEY]
+
+    async def log_periodically() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            stats_logger = engine.stats_logger
+            if stats_logger.is_idle:
+                stats_logger.last_log_time = time.monotonic()
+            else:
+                logger.info("%s", stats_logger.make_line())
+
+    task = asyncio.create_task(log_periodically(), name="stats-log")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[SERVING_KEY].completions(request)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[SERVING_KEY].chat(request)
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG_KEY]
+    card = ModelCard(
+        id=config.served_model_name,
+        root=config.engine.model.model,
+        max_model_len=config.engine.model.max_model_len,
+    )
+    return _json(ModelList(data=[card]).model_dump_json())
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[ENGINE_KEY].is_healthy:
+        return web.Response(status=200)
+    return error_response(503, "the engine core process is not running")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    body = await parse_body(request, TokenizeRequest)
+    serving = request.app[SERVING_KEY]
+    serving.check_model(body.model)
+    tokenizer = serving.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError(400, "exactly one of prompt or messages is required", param="prompt")
+    if body.messages is not None:
+        try:
+            ids = apply_chat_template(
+                tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+            )
+        except ValueError as exc:
+            raise RequestError(400, str(exc), param="messages") from exc
+    else:
+        ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    response = TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+    return _json(response.model_dump_json())
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    body = await parse_body(request, DetokenizeRequest)
+    serving = request.app[SERVING_KEY]
+    serving.check_model(body.model)
+    vocab = serving.engine.config.model.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise RequestError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+    text = str(serving.tokenizer.decode(body.tokens))
+    return _json(DetokenizeResponse(prompt=text).model_dump_json())
+
+
+def _json(text: str) -> web.Response:
+    return web.Response(text=text, content_type="application/json")

@@ -1,0 +1,450 @@
+"""POST /v1/completions and /v1/chat/completions: request → engine → JSON or SSE.
+
+Both endpoints share one pipeline (`_prepare` → `AsyncLLM.generate` → aggregate or stream) and
+differ only in how a prompt is built (raw text / token ids vs. chat template) and how choices and
+logprobs are shaped (`_CompletionFormat`, `_ChatFormat`). A stream is `data: {chunk}` events,
+an optional usage-only chunk (`stream_options.include_usage`), and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from fleetserve.engine.chat import apply_chat_template
+from fleetserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.tokenizer import encode_prompt
+from fleetserve.server.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from fleetserve.server.errors import RequestError, error_body, parse_body, value_error
+from fleetserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobContent,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+    random_id,
+)
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass
+class _Choice:
+    """One choice accumulated over the deltas of a non-streaming request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    request_id: str
+    body: SamplingRequest
+    prompt_token_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    client_request_id: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: self.client_request_id} if self.client_request_id else {}
+
+
+class _Format(Protocol):
+    """How one endpoint shapes its responses."""
+
+    def full(
+        self, prep: _Prepared, model: str, choices: list[_Choice], usage: UsageInfo
+    ) -> str: ...
+
+    def first_chunks(self, prep: _Prepared, model: str) -> list[str]: ...
+
+    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None: ...
+
+    def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str: ...
+
+
+class OpenAIServing:
+    """The two generation endpoints of one served model."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.model.max_model_len
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, CompletionRequest)
+        self.check_model(body.model)
+        try:
+            prompt = body.single_prompt()
+        except ValueError as exc:
+            raise value_error(exc, "prompt") from exc
+        if isinstance(prompt, str):
+            ids, text = encode_prompt(self.tokenizer, prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        prep = self._prepare(request, body, ids, text, lambda: body.to_sampling_params(), "cmpl")
+        return await self._respond(request, prep, _CompletionFormat(self.tokenizer))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ChatCompletionRequest)
+        self.check_model(body.model)
+        try:
+            ids = apply_chat_template(
+                self.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+            )
+        except ValueError as exc:
+            raise RequestError(400, str(exc), param="messages") from exc
+        room = max(1, self.max_model_len - len(ids))
+        prep = self._prepare(
+            request, body, ids, None, lambda: body.to_sampling_params(room), "chatcmpl"
+        )
+        return await self._respond(request, prep, _ChatFormat(self.tokenizer))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def _prepare(
+        self,
+        request: web.Request,
+        body: SamplingRequest,
+        ids: list[int],
+        text: str | None,
+        make_params: Callable[[], SamplingParams],
+        id_prefix: str,
+    ) -> _Prepared:
+        try:
+            params = make_params()
+        except ValueError as exc:
+            raise value_error(exc) from exc
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "prompt or max_tokens.",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+            )
+        # NOTE: a client (or a router hop) may name the request with X-Request-Id; it is echoed
+        # back and used in the engine, so one id follows the request through P/D and logs.
+        client_id = request.headers.get(REQUEST_ID_HEADER)
+        request_id = f"{id_prefix}-{client_id}" if client_id else random_id(id_prefix)
+        return _Prepared(request_id, body, ids, text, params, client_id)
+
+    async def _respond(
+        self, request: web.Request, prep: _Prepared, fmt: _Format
+    ) -> web.StreamResponse:
+        try:
+            outputs = self.engine.generate(
+                prep.request_id,
+                prep.prompt_token_ids,
+                prep.params,
+                prompt=prep.prompt_text,
+                priority=prep.body.priority,
+                cache_salt=prep.body.cache_salt,
+            )
+        except ValueError as exc:
+            raise value_error(exc, "prompt") from exc
+        except EngineOverloadedError as exc:
+            raise RequestError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
+        except EngineDeadError as exc:
+            raise RequestError(503, str(exc), retry_after_s=5) from exc
+        try:
+            if prep.body.stream:
+                return await self._stream(request, prep, fmt, outputs)
+            return await self._full(prep, fmt, outputs)
+        finally:
+            # NOTE: a no-op once finished; aborts (frees KV blocks) on disconnect or error.
+            self.engine.abort(prep.request_id)
+
+    async def _full(
+        self, prep: _Prepared, fmt: _Format, outputs: AsyncIterator[RequestOutput]
+    ) -> web.Response:
+        choices = [_Choice() for _ in range(prep.params.n)]
+        num_cached = 0
+        try:
+            async for output in outputs:
+                num_cached = output.num_cached_tokens
+                for delta in output.outputs:
+                    choice = choices[delta.index]
+                    choice.text += delta.text
+                    choice.token_ids.extend(delta.token_ids)
+                    choice.logprobs.extend(delta.logprobs or [])
+                    choice.finish_reason = delta.finish_reason
+                    choice.stop_reason = delta.stop_reason
+        except EngineDeadError as exc:
+            raise RequestError(503, str(exc), retry_after_s=5) from exc
+        usage = _usage(prep, sum(len(c.token_ids) for c in choices), num_cached)
+        return web.Response(text=fmt.full(prep, self.model_name, choices, usage),
+                            content_type="application/json", headers=prep.headers)  # fmt: skip
+
+    async def _stream(
+        self,
+        request: web.Request,
+        prep: _Prepared,
+        fmt: _Format,
+        outputs: AsyncIterator[RequestOutput],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **prep.headers,
+            }
+        )
+        await response.prepare(request)
+        num_generated = num_cached = 0
+        finished: set[int] = set()
+        try:
+            for event in fmt.first_chunks(prep, self.model_name):
+                await response.write(_sse(event))
+            async for output in outputs:
+                num_cached = output.num_cached_tokens
+                for delta in output.outputs:
+                    # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
+                    # siblings run; its finish_reason is sent once.
+                    if delta.index in finished:
+                        continue
+                    if delta.finish_reason is not None:
+                        finished.add(delta.index)
+                    num_generated += len(delta.token_ids)
+                    chunk = fmt.chunk(prep, self.model_name, delta)
+                    if chunk is not None:
+                        await response.write(_sse(chunk))
+            if prep.body.include_usage_in_stream:
+                usage = _usage(prep, num_generated, num_cached)
+                await response.write(_sse(fmt.usage_chunk(prep, self.model_name, usage)))
+        except EngineDeadError as exc:
+            await response.write(_sse(error_body(503, str(exc))))
+        except (ConnectionResetError, ConnectionError):
+            logger.info("client disconnected; aborting %s", prep.request_id)
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _sse(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+def _usage(prep: _Prepared, num_generated: int, num_cached: int) -> UsageInfo:
+    num_prompt = len(prep.prompt_token_ids)
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
+
+
+def _top(entry: dict[int, Logprob], token_id: int, k: int) -> list[tuple[int, Logprob]]:
+    """The top-k alternatives of one position (by rank), excluding nothing but beyond-k."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+    return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
+
+
+class _CompletionFormat:
+    """Per request: it keeps each choice's text offset across stream chunks."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text_offsets: dict[int, int] = {}
+        self._started: set[int] = set()
+
+    def _logprobs(
+        self,
+        prep: _Prepared,
+        token_ids: list[int],
+        entries: list[dict[int, Logprob]],
+        index: int,
+    ) -> CompletionLogprobs | None:
+        if prep.params.logprobs is None:
+            return None
+        result = CompletionLogprobs()
+        offset = self._text_offsets.get(index, 0)
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            sampled = entry.get(token_id)
+            token = (
+                sampled.decoded_token
+                if sampled and sampled.decoded_token is not None
+                else (self.tokenizer.decode([token_id]))
+            )
+            result.tokens.append(token)
+            result.token_logprobs.append(sampled.logprob if sampled else None)
+            result.text_offset.append(offset)
+            offset += len(token)
+            top = _top(entry, token_id, max(prep.params.logprobs, 0))
+            result.top_logprobs.append({lp.decoded_token or "": lp.logprob for _, lp in top})
+        self._text_offsets[index] = offset
+        return result
+
+    def full(self, prep: _Prepared, model: str, choices: list[_Choice], usage: UsageInfo) -> str:
+        want_ids = prep.body.return_token_ids
+        return CompletionResponse(
+            id=prep.request_id,
+            model=model,
+            usage=usage,
+            choices=[
+                CompletionResponseChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=self._logprobs(prep, c.token_ids, c.logprobs, i),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                    token_ids=c.token_ids if want_ids else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+        ).model_dump_json()
+
+    def first_chunks(self, prep: _Prepared, model: str) -> list[str]:
+        return []
+
+    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None:
+        if not (delta.text or delta.finish_reason or delta.token_ids):
+            return None
+        want_ids = prep.body.return_token_ids
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        choice = CompletionResponseChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=self._logprobs(prep, delta.token_ids, delta.logprobs or [], delta.index),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            # The prompt's ids go with each choice's first chunk only.
+            prompt_token_ids=prep.prompt_token_ids if want_ids and first else None,
+            token_ids=delta.token_ids if want_ids else None,
+        )
+        return CompletionStreamResponse(
+            id=prep.request_id, model=model, choices=[choice]
+        ).model_dump_json()
+
+    def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str:
+        return CompletionStreamResponse(
+            id=prep.request_id, model=model, choices=[], usage=usage
+        ).model_dump_json()
+
+
+class _ChatFormat:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def _logprobs(
+        self, prep: _Prepared, token_ids: list[int], entries: list[dict[int, Logprob]]
+    ) -> ChatLogprobs | None:
+        if prep.params.logprobs is None:
+            return None
+        k = max(prep.params.logprobs, 0)
+        content = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            sampled = entry.get(token_id)
+            token = self._text(token_id, sampled)
+            content.append(
+                ChatLogprobContent(
+                    token=token,
+                    logprob=sampled.logprob if sampled else float("-inf"),
+                    bytes=list(token.encode()),
+                    top_logprobs=[
+                        ChatTopLogprob(
+                            token=self._text(tid, lp),
+                            logprob=lp.logprob,
+                            bytes=list(self._text(tid, lp).encode()),
+                        )
+                        for tid, lp in _top(entry, token_id, k)
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _text(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return str(self.tokenizer.decode([token_id]))
+
+    def full(self, prep: _Prepared, model: str, choices: list[_Choice], usage: UsageInfo) -> str:
+        want_ids = prep.body.return_token_ids
+        return ChatCompletionResponse(
+            id=prep.request_id,
+            model=model,
+            usage=usage,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=ChatMessage(role="assistant", content=c.text),
+                    logprobs=self._logprobs(prep, c.token_ids, c.logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                    token_ids=c.token_ids if want_ids else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+        ).model_dump_json()
+
+    def first_chunks(self, prep: _Prepared, model: str) -> list[str]:
+        want_ids = prep.body.return_token_ids
+        return [
+            ChatCompletionStreamResponse(
+                id=prep.request_id,
+                model=model,
+                choices=[
+                    ChatCompletionStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(role="assistant", content=""),
+                        prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                    )
+                ],
+            ).model_dump_json()
+            for i in range(prep.params.n)
+        ]
+
+    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None:
+        if not (delta.text or delta.finish_reason or delta.token_ids):
+            return None
+        choice = ChatCompletionStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=self._logprobs(prep, delta.token_ids, delta.logprobs or []),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            token_ids=delta.token_ids if prep.body.return_token_ids else None,
+        )
+        return ChatCompletionStreamResponse(
+            id=prep.request_id, model=model, choices=[choice]
+        ).model_dump_json()
+
+    def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str:
+        return ChatCompletionStreamResponse(
+            id=prep.request_id, model=model, choices=[], usage=usage
+        ).model_dump_json()
