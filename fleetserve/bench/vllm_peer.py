@@ -16,7 +16,16 @@ def main(spec_path: str) -> int:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    llm = LLM(spec["model"], dtype=spec["dtype"], seed=0)
+    # NOTE: on the CPU vLLM reserves gpu_memory_utilization of *host* RAM (0.92 by default) and
+    # refuses to start on a shared box; give it fleetserve's CPU KV budget (1 GiB) instead.
+    llm = LLM(
+        spec["model"],
+        dtype=spec["dtype"],
+        seed=0,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=spec.get("max_num_seqs", 64),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))

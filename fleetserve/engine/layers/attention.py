@@ -168,6 +168,15 @@ class AttentionBackend(ABC):
             return f"block_size {block_size} is not one of {cls.supported_block_sizes}"
         return None
 
+    @classmethod
+    def auto_selectable(cls, device: torch.device) -> str | None:
+        """None when 'auto' may pick this backend on `device`, else why not.
+
+        Only 'auto' asks: a backend that can serve a configuration but should not be chosen for
+        it unasked (e.g. an interpreted kernel on the CPU) still works when named explicitly.
+        """
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -297,7 +306,16 @@ def attention_backend_registry() -> dict[str, type[AttentionBackend]]:
 
     Kernel backends are added here by name; each guards its own imports in `is_available`.
     """
-    return {TorchAttentionBackend.name: TorchAttentionBackend}
+    from fleetserve.engine.layers.attention_flash import FlashAttentionBackend
+    from fleetserve.engine.layers.attention_triton import TritonAttentionBackend
+
+    kernels: list[type[AttentionBackend]] = [FlashAttentionBackend, TritonAttentionBackend]
+    # NOTE: without CUDA the kernels run only in Triton's interpreter, far slower than torch:
+    # torch is the best there, so it goes first (and the kernels decline 'auto' on the CPU).
+    ordered: list[type[AttentionBackend]] = [*kernels, TorchAttentionBackend]
+    if not torch.cuda.is_available():
+        ordered = [TorchAttentionBackend, *kernels]
+    return {backend.name: backend for backend in ordered}
 
 
 def select_attention_backend(
@@ -328,6 +346,8 @@ def select_attention_backend(
     reasons: list[str] = []
     for name, backend in registry.items():
         reason = backend.validate_configuration(head_size, dtype, block_size, device)
+        if reason is None:
+            reason = backend.auto_selectable(device)
         if reason is None:
             return backend
         logger.info("attention backend %r skipped: %s", name, reason)
