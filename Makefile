@@ -38,6 +38,10 @@ test: setup ## Run the whole test suite (unit, fidelity, kernels on CPU, k8s whe
 
 ##@ Development
 
+.PHONY: dev-cluster-bin
+dev-cluster-bin: ## Build kube-apiserver/controller-manager/scheduler/kubectl, etcd, kwok into ~/.cache/fleetserve
+	bash hack/build-dev-cluster-bin.sh
+
 .PHONY: lint
 lint: setup ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check fleetserve tests

@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.server.cli import register as register_serve
 
     register_serve(sub)
+    from fleetserve.devcluster.cli import register as register_dev_cluster
 
+    register_dev_cluster(sub)
     return parser
 
 

@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# The session-scoped `dev_cluster` fixture (real control plane; k8s-marked tests).
+pytest_plugins = ["fleetserve.devcluster.testing"]
+
 # Tests never reach a model hub; transformers must only read local folders.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
