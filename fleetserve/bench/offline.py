@@ -134,7 +134,7 @@ def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result
         if proc.returncode != 0:
             print(f"vllm peer failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return None
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
+        data = json.loads(Path(str(spec) + ".result").read_text())
     return Result("vllm-cpu", data["seconds"], data["output_tokens"], workload.num_prompt_tokens)
 
 

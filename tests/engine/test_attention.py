@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fleetserve.engine.layers import attention
 from fleetserve.engine.layers.attention import (
     AttentionBackend,
     TorchAttentionBackend,
@@ -37,10 +38,15 @@ def _run_batch(
     requests: list[tuple[int, int, list[int]]],
     dtype: torch.dtype = torch.float32,
     device: torch.device = CPU,
+    zero_owned_blocks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """requests: (context_len, query_len, block_ids). Returns (ours, reference, kv_cache)."""
+    """requests: (context_len, query_len, block_ids). Returns (ours, reference, kv_cache).
+
+    `zero_owned_blocks=False` keeps NaN in the requests' own blocks too, to see exactly which
+    offsets a write touched (the attention output is then not meaningful).
+    """
     torch.manual_seed(0)
-    num_blocks = 16
+    num_blocks = max(16, 1 + max(max(ids) for _, _, ids in requests))
     kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), float("nan"))
     kv_cache = kv_cache.to(dtype)
     kv_cache[:, 0] = 0.0  # the null block is zero (padding gathers read it); the rest is stale NaN
@@ -50,6 +56,10 @@ def _run_batch(
     table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
     for i, (context_len, query_len, block_ids) in enumerate(requests):
         table[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        # Like the runner, which zeroes every newly allocated block before its first write;
+        # blocks no request owns stay NaN, so any read outside the block table shows up.
+        if zero_owned_blocks:
+            kv_cache[:, block_ids] = 0.0
         seq_len = context_len + query_len
         k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
         v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
@@ -114,6 +124,22 @@ def test_uniform_decode_batch_matches_dense_reference(device: torch.device) -> N
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-5)
 
 
+def test_large_decode_batch_in_length_groups_matches_dense_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 24 decodes of lengths 1..47 in shuffled order; a tiny gather budget (the tuning constant,
+    # 4 MiB in production) splits them into many length groups.
+    monkeypatch.setattr(attention, "_DECODE_GATHER_BYTES", 8 * 1024)
+    lengths = [1 + (i * 17) % 47 for i in range(24)]
+    requests, next_block = [], 1
+    for length in lengths:
+        num_blocks = -(-length // BLOCK_SIZE)
+        requests.append((length - 1, 1, list(range(next_block, next_block + num_blocks))))
+        next_block += num_blocks
+    ours, reference, _ = _run_batch(requests)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_batch_close_to_reference() -> None:
     ours, reference, _ = _run_batch([(5, 6, [7, 2, 9]), (9, 1, [4, 11, 1])], torch.bfloat16)
     assert ours.dtype == torch.bfloat16
@@ -121,7 +147,7 @@ def test_bfloat16_batch_close_to_reference() -> None:
 
 
 def test_write_lands_at_block_times_size_plus_offset() -> None:
-    _, _, kv_cache = _run_batch([(2, 5, [9, 4])])
+    _, _, kv_cache = _run_batch([(2, 5, [9, 4])], zero_owned_blocks=False)
     # positions 0..6 → block 9 offsets 0..3, block 4 offsets 0..2; block 4 offset 3 untouched
     assert not kv_cache[:, 9].isnan().any()
     assert not kv_cache[:, 4, :3].isnan().any()
