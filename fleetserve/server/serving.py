@@ -126,9 +126,14 @@ class OpenAIServing:
         return await self._respond(request, prep, _ChatFormat(self.tokenizer))
 
     def check_model(self, model: str | None) -> None:
+        # NOTE: vLLM answers 404 here; our contract (issue 3) treats an unknown model as bad
+        # input like any other field, so 400, with OpenAI's code so clients can tell it apart.
         if model is not None and model != self.model_name:
             raise RequestError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+                400,
+                f"model must be one of ['{self.model_name}'], got `{model}`",
+                param="model",
+                code="model_not_found",
             )
 
     def _prepare(

@@ -186,7 +186,7 @@ def test_tokenize_and_detokenize(server: ServerHandle, llm: LLM) -> None:
         ("/v1/completions", {"prompt": "hello " * 600, "max_tokens": 2}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": 5}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 400, "model"),
     ],
 )
 def test_bad_input_gets_openai_shaped_error(
