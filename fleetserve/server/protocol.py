@@ -220,14 +220,19 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
+class _ChoiceEnd(OpenAIModel):
+    """Fields every choice ends with; the token id lists only with `return_token_ids`."""
+
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionResponseChoice(_ChoiceEnd):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -266,14 +271,10 @@ class DeltaMessage(OpenAIModel):
     content: str | None = None
 
 
-class ChatCompletionResponseChoice(OpenAIModel):
+class ChatCompletionResponseChoice(_ChoiceEnd):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -285,14 +286,10 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-class ChatCompletionStreamChoice(OpenAIModel):
+class ChatCompletionStreamChoice(_ChoiceEnd):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIModel):
