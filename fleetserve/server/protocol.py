@@ -235,13 +235,18 @@ class CompletionResponseChoice(_ChoiceEnd):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(OpenAIModel):
+class _Response(OpenAIModel):
+    """The envelope every completion/chat response and stream chunk shares."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_s)
     model: str
-    choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseChoice]
 
 
 # -- chat responses -------------------------------------------------------------------------
@@ -277,13 +282,9 @@ class ChatCompletionResponseChoice(_ChoiceEnd):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now_s)
-    model: str
     choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo | None = None
 
 
 class ChatCompletionStreamChoice(_ChoiceEnd):
@@ -292,19 +293,11 @@ class ChatCompletionStreamChoice(_ChoiceEnd):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now_s)
-    model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(OpenAIModel):
-    id: str
+class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
