@@ -47,6 +47,7 @@ lint: setup ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check fleetserve tests
 	$(VENV)/bin/ruff format --check fleetserve tests
 	$(VENV)/bin/mypy fleetserve
+	$(VENV)/bin/lint-imports
 
 .PHONY: fmt
 fmt: setup ## Format and auto-fix
