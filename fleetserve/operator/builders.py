@@ -1,0 +1,246 @@
+"""Pure builders: InferenceDeployment spec → the child objects (plain dicts) the operator applies.
+
+Per role, `replicas` groups of `group_size` pods: one StatefulSet + headless Service per group
+(pod 0 leads); one ConfigMap with the rendered engine config; the router Deployment + Service.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fleetserve.api.compat import compatibility_hash
+from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
+from fleetserve.operator.render import (
+    ENGINE_PORT,
+    MODEL_MOUNT,
+    engine_args,
+    engine_config,
+    engine_env,
+)
+
+__all__ = [
+    "LABEL_COMPAT",
+    "LABEL_DEPLOYMENT",
+    "LABEL_GROUP",
+    "LABEL_ROLE",
+    "Owner",
+    "build_children",
+    "build_configmap",
+    "build_group_service",
+    "build_group_statefulset",
+    "build_router_deployment",
+    "build_router_service",
+    "group_name",
+]
+
+LABEL_DEPLOYMENT = "fleetserve.io/deployment"
+LABEL_ROLE = "fleetserve.io/role"
+LABEL_GROUP = "fleetserve.io/group"
+LABEL_COMPAT = "fleetserve.io/compatibility-hash"
+ANNOTATION_TEMPLATE_HASH = "fleetserve.io/template-hash"
+ROUTER_PORT = 8080
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The InferenceDeployment that owns the children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+    def meta(self, name: str, labels: dict[str, str]) -> dict[str, Any]:
+        return {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": {LABEL_DEPLOYMENT: self.name, **labels},
+            "ownerReferences": [self.reference()],
+        }
+
+
+def group_name(deployment: str, role: str, index: int) -> str:
+    return f"{deployment}-{role}-{index}"
+
+
+def _resources(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
+    req = {"cpu": spec.engine.cpu, "memory": spec.engine.memory}
+    lim = {"memory": spec.engine.memory}
+    if role.gpus_per_pod:
+        req["nvidia.com/gpu"] = lim["nvidia.com/gpu"] = str(role.gpus_per_pod)
+    return {"requests": req, "limits": lim}
+
+
+def _model_volume(uri: str) -> dict[str, Any] | None:
+    if uri.startswith("pvc://"):
+        claim = uri.removeprefix("pvc://").split("/", 1)[0]
+        return {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    if uri.startswith("hostpath://"):
+        path = uri.removeprefix("hostpath://")
+        return {"name": "model", "hostPath": {"path": path, "type": "Directory"}}
+    return None
+
+
+def build_configmap(spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, Any]:
+    """ConfigMap `<name>-engine` holding `engine.json` (args, rank layout, KV and EPLB per role)."""
+    text = json.dumps(engine_config(spec), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": owner.meta(f"{owner.name}-engine", {}),
+        "data": {"engine.json": text},
+    }
+
+
+def build_group_service(owner: Owner, role_name: str, index: int) -> dict[str, Any]:
+    """Headless Service of one group: stable pod DNS for the leader address."""
+    name = group_name(owner.name, role_name, index)
+    labels = {LABEL_ROLE: role_name, LABEL_GROUP: str(index)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": owner.meta(name, labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_DEPLOYMENT: owner.name, **labels},
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT}],
+        },
+    }
+
+
+def build_group_statefulset(
+    spec: InferenceDeploymentSpec, owner: Owner, role_name: str, role: Role, index: int
+) -> dict[str, Any]:
+    """StatefulSet of one replica group (`group_size` pods, pod 0 the leader)."""
+    name = group_name(owner.name, role_name, index)
+    labels = {LABEL_ROLE: role_name, LABEL_GROUP: str(index)}
+    leader = f"{name}-0.{name}.{owner.namespace}.svc"
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "command": list(spec.engine.command),
+        "args": engine_args(spec, role_name, role),
+        "env": engine_env(spec, role_name, role, leader),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
+        "resources": _resources(spec, role),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": ENGINE_PORT},
+            "periodSeconds": 5,
+        },
+        "volumeMounts": [{"name": "engine-config", "mountPath": "/etc/fleetserve"}],
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "engine-config", "configMap": {"name": f"{owner.name}-engine"}}
+    ]
+    model_volume = _model_volume(spec.model.source.uri)
+    if model_volume is not None:
+        volumes.append(model_volume)
+        container["volumeMounts"].append(
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        )
+    pod_labels = {
+        LABEL_DEPLOYMENT: owner.name,
+        **labels,
+        LABEL_COMPAT: compatibility_hash(spec),
+    }
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if role.node_selector:
+        pod_spec["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in role.tolerations]
+    template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+    meta = owner.meta(name, labels)
+    meta["annotations"] = {ANNOTATION_TEMPLATE_HASH: digest}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
+        "spec": {
+            "replicas": role.group_size,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, **labels}},
+            "template": template,
+        },
+    }
+
+
+def _router_labels() -> dict[str, str]:
+    return {LABEL_ROLE: "router"}
+
+
+def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, Any]:
+    """Router Deployment; it discovers prefill/decode pods by label (and compatibility hash)."""
+    labels = _router_labels()
+    r = spec.router
+    config = {
+        "namespace": owner.namespace,
+        "prefill_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=prefill",
+        "decode_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=decode",
+        "unified_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=unified",
+        "compatibility_hash": compatibility_hash(spec),
+        "disaggregation": r.disaggregation.model_dump(by_alias=True),
+        "prefix_aware": r.prefix_aware,
+        "load_aware": r.load_aware,
+        "engine_port": ENGINE_PORT,
+    }
+    container = {
+        "name": "router",
+        "image": spec.engine.image,
+        "command": list(spec.engine.command),
+        "args": ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
+        "env": [{"name": "FLEETSERVE_ROUTER_CONFIG", "value": json.dumps(config, sort_keys=True)}],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+    }
+    selector = {LABEL_DEPLOYMENT: owner.name, **labels}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": owner.meta(f"{owner.name}-router", labels),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": selector}, "spec": {"containers": [container]}},
+        },
+    }
+
+
+def build_router_service(owner: Owner) -> dict[str, Any]:
+    """ClusterIP Service, port 80 → the router."""
+    labels = _router_labels()
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": owner.meta(owner.name, labels),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LABEL_DEPLOYMENT: owner.name, **labels},
+            "ports": [{"name": "http", "port": 80, "targetPort": ROUTER_PORT}],
+        },
+    }
+
+
+def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+    """Every child object, in apply order (ConfigMap first, router last)."""
+    children = [build_configmap(spec, owner)]
+    for role_name, role in spec.roles.items():
+        for i in range(role.replicas):
+            children.append(build_group_service(owner, role_name, i))
+            children.append(build_group_statefulset(spec, owner, role_name, role, i))
+    children += [build_router_deployment(spec, owner), build_router_service(owner)]
+    return children

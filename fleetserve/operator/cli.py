@@ -1,0 +1,48 @@
+"""`fleetserve operator`: run the kopf operator (standalone by default, liveness endpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+__all__ = ["register", "run"]
+
+
+def run(*, namespaces: list[str], peering: str | None, liveness: str | None) -> None:
+    """Run the operator until interrupted (blocks)."""
+    import kopf
+
+    import fleetserve.operator.handlers  # noqa: F401  (registers the handlers)
+
+    asyncio.run(
+        kopf.operator(
+            standalone=peering is None,
+            peering_name=peering,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=liveness,
+        )
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    run(namespaces=args.namespace, peering=args.peering, liveness=args.liveness or None)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `operator` subcommand to the top-level CLI's subparsers."""
+    parser = subparsers.add_parser("operator", help="run the InferenceDeployment operator")
+    parser.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch only these (repeatable)"
+    )
+    parser.add_argument(
+        "--peering", default=None, help="kopf peering name (default: off, standalone)"
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL ('' to disable)",
+    )
+    parser.set_defaults(func=_run)

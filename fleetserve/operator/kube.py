@@ -1,0 +1,118 @@
+"""Minimal raw Kubernetes client for the operator: get, list, server-side apply, delete.
+
+# NOTE: the generated client validates dict bodies against its models; server-side apply goes
+# through `call_api` with `application/apply-patch+yaml` (JSON is YAML) to avoid that.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+__all__ = ["FIELD_MANAGER", "Kube", "resource_path"]
+
+FIELD_MANAGER = "fleetserve-operator"
+
+_RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "ConfigMap": ("/api/v1", "configmaps"),
+        "Service": ("/api/v1", "services"),
+        "Pod": ("/api/v1", "pods"),
+        "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+        "Deployment": ("/apis/apps/v1", "deployments"),
+        "InferenceDeployment": ("/apis/fleetserve.io/v1alpha1", "inferencedeployments"),
+    }
+)
+
+
+def resource_path(kind: str, namespace: str, name: str | None = None) -> str:
+    """URL path of a namespaced object (or its collection when `name` is None).
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind not in _RESOURCES:
+        raise ValueError(f"kind must be one of {sorted(_RESOURCES)}, got {kind!r}")
+    prefix, plural = _RESOURCES[kind]
+    path = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+    return f"{path}/{quote(name)}" if name else path
+
+
+@dataclass
+class Kube:
+    """Thin synchronous API wrapper that counts the writes it issues."""
+
+    api: client.ApiClient
+    writes: list[str] = field(default_factory=list)
+    """`VERB kind/name` of every mutating request, in order (tests assert on it)."""
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any] | None:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        _, url, headers, _, _ = self.api.param_serialize(
+            method, path, header_params=headers, auth_settings=["BearerToken"]
+        )
+        try:
+            resp = self.api.call_api(method, url, header_params=headers, body=body)
+            resp.read()
+        except ApiException as exc:
+            if exc.status == 404 and method in ("GET", "DELETE"):
+                return None
+            raise
+        assert resp.status < 300, f"{method} {path}: HTTP {resp.status}"
+        data = resp.data
+        return json.loads(data) if data else {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._call("GET", resource_path(kind, namespace, name))
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        path = resource_path(kind, namespace) + "?" + urlencode({"labelSelector": selector})
+        result = self._call("GET", path)
+        assert result is not None, f"list {kind} returned nothing"
+        items: list[dict[str, Any]] = result.get("items", [])
+        return items
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` as FIELD_MANAGER (force: the operator owns its children)."""
+        meta = obj["metadata"]
+        self.writes.append(f"APPLY {obj['kind']}/{meta['name']}")
+        query = urlencode({"fieldManager": FIELD_MANAGER, "force": "true"})
+        path = resource_path(obj["kind"], meta["namespace"], meta["name"]) + "?" + query
+        out = self._call("PATCH", path, body=obj, content_type="application/apply-patch+yaml")
+        assert out is not None, f"apply {obj['kind']}/{meta['name']} returned nothing"
+        return out
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.writes.append(f"STATUS {kind}/{name}")
+        path = resource_path(kind, namespace, name) + "/status"
+        self._call(
+            "PATCH",
+            path,
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(f"DELETE {kind}/{name}")
+        self._call(
+            "DELETE",
+            resource_path(kind, namespace, name),
+            body={"propagationPolicy": "Background"},
+            content_type="application/json",
+        )

@@ -1,0 +1,161 @@
+"""Level-based reconcile of one InferenceDeployment: desired children vs live, then status.
+
+Idempotent: objects whose desired fields already hold on the live object are not written, so an
+unchanged resource costs only reads. Template changes roll one group at a time, and only while
+every other group of every role is ready and up to date (never both roles down at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from fleetserve.api.compat import compatibility_hash
+from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.operator.builders import (
+    ANNOTATION_TEMPLATE_HASH,
+    LABEL_DEPLOYMENT,
+    LABEL_GROUP,
+    LABEL_ROLE,
+    Owner,
+    build_children,
+)
+from fleetserve.operator.kube import Kube
+from fleetserve.operator.status import GroupState, compute_status, group_state
+
+__all__ = ["CHILD_KINDS", "ReconcileResult", "is_subset", "reconcile", "recreate_group"]
+
+CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment")
+
+
+@dataclass
+class ReconcileResult:
+    """What one pass did: events to post (type, reason, message) and the new status."""
+
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+    status_written: bool = False
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """True when every field of `desired` holds in `live` (server defaults may add more)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            k in live and is_subset(v, live[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
+        )
+    return bool(desired == live)
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def _template_hash(obj: dict[str, Any]) -> str:
+    return str((obj["metadata"].get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH, ""))
+
+
+def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> ReconcileResult:
+    """Converge the children of `body` (an InferenceDeployment object) and write its status."""
+    meta = body["metadata"]
+    spec = InferenceDeploymentSpec.model_validate(body["spec"])
+    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    result = ReconcileResult()
+    desired = build_children(spec, owner)
+    selector = f"{LABEL_DEPLOYMENT}={owner.name}"
+    live: dict[tuple[str, str], dict[str, Any]] = {}
+    for kind in CHILD_KINDS:
+        for obj in kube.list(kind, owner.namespace, selector):
+            obj.setdefault("kind", kind)
+            live[_key(obj)] = obj
+
+    sizes = {name: role.group_size for name, role in spec.roles.items()}
+    desired_hashes = {
+        (o["metadata"]["labels"][LABEL_ROLE], int(o["metadata"]["labels"][LABEL_GROUP])): (
+            _template_hash(o)
+        )
+        for o in desired
+        if o["kind"] == "StatefulSet"
+    }
+    groups: dict[str, dict[int, GroupState]] = {}
+    for (kind, _), obj in live.items():
+        labels = obj["metadata"].get("labels") or {}
+        role = labels.get(LABEL_ROLE, "")
+        if kind == "StatefulSet" and role in sizes:
+            groups.setdefault(role, {})[int(labels[LABEL_GROUP])] = group_state(obj, sizes[role])
+    # NOTE: one roll at a time across all roles: start a roll only when every group is settled.
+    # A group mid-roll is not ready (its StatefulSet has not observed or finished the update).
+    settled = all(g.ready for gs in groups.values() for g in gs.values())
+
+    for obj in desired:
+        current = live.get(_key(obj))
+        # NOTE: list items carry no apiVersion/kind, so only metadata/spec/data are compared.
+        fields = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+        if current is not None and is_subset(fields, current):
+            continue
+        name = obj["metadata"]["name"]
+        if current is not None and obj["kind"] == "StatefulSet":
+            if _template_hash(obj) != _template_hash(current):
+                if not settled:
+                    continue
+                settled = False
+                result.events.append(("Normal", "RollingGroup", f"rolling {name}"))
+        elif current is None:
+            result.events.append(("Normal", "Created", f"created {obj['kind']} {name}"))
+        kube.apply(obj)
+
+    wanted = {_key(o) for o in desired}
+    for key, obj in live.items():
+        if key not in wanted and LABEL_GROUP in (obj["metadata"].get("labels") or {}):
+            kube.delete(key[0], owner.namespace, key[1])
+            result.events.append(("Normal", "ScaledDown", f"deleted {key[0]} {key[1]}"))
+
+    previous = body.get("status") or {}
+    result.status = compute_status(
+        spec,
+        int(meta.get("generation", 1)),
+        groups,
+        desired_hashes,
+        endpoint=f"http://{owner.name}.{owner.namespace}.svc:80",
+        compat_hash=compatibility_hash(spec),
+        previous=previous,
+        now=now or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    if not is_subset(result.status, previous):
+        kube.patch_status("InferenceDeployment", owner.namespace, owner.name, result.status)
+        result.status_written = True
+        if result.status["phase"] != previous.get("phase"):
+            result.events.append(("Normal", "Phase", f"phase {result.status['phase']}"))
+    return result
+
+
+def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
+    """After pod `pod` of a multi-pod group is gone, delete its older siblings (whole-group restart).
+
+    Returns:
+        Names of the pods deleted. Pods created after `pod` (replacements) are kept, so the
+        cascade of DELETED events this causes terminates.
+    """
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    if LABEL_GROUP not in labels or LABEL_DEPLOYMENT not in labels:
+        return []
+    selector = ",".join(
+        f"{k}={labels[k]}" for k in (LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_GROUP) if k in labels
+    )
+    born = meta.get("creationTimestamp", "")
+    deleted = []
+    for sibling in kube.list("Pod", meta["namespace"], selector):
+        smeta = sibling["metadata"]
+        if smeta["name"] == meta["name"] or smeta.get("deletionTimestamp"):
+            continue
+        if smeta.get("creationTimestamp", "") <= born:
+            kube.delete("Pod", meta["namespace"], smeta["name"])
+            deleted.append(smeta["name"])
+    return deleted

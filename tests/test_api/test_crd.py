@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from fleetserve.api.crd import CRD_FILENAME, crd_manifest, crd_yaml
+from fleetserve.api.models import InferenceDeploymentSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_checked_in_crd_matches_models() -> None:
+    checked_in = (ROOT / "crds" / CRD_FILENAME).read_text()
+    assert checked_in == crd_yaml(), "crds/ is stale: run `fleetserve crds -o crds/" + CRD_FILENAME
+
+
+def test_schema_is_structural_and_defaulted() -> None:
+    version = crd_manifest()["spec"]["versions"][0]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["model", "roles"]
+    kv = spec["properties"]["kvTransfer"]
+    assert kv["default"] == {}
+    assert kv["properties"]["connector"] == {
+        "type": "string",
+        "default": "tcp",
+        "enum": ["tcp", "mooncake", "none"],
+    }
+    role = spec["properties"]["roles"]["properties"]["decode"]
+    assert "default" not in role
+    assert role["properties"]["gpusPerPod"] == {
+        "type": "integer",
+        "default": 1,
+        "minimum": 0,
+        "maximum": 16,
+    }
+    assert role["x-kubernetes-validations"][0]["message"].startswith("tensor × pipeline")
+    text = yaml.safe_dump(version)
+    assert "$ref" not in text and "anyOf" not in text and "title" not in text
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase",
+        "Ready",
+        "Prefill",
+        "Prefill-Want",
+        "Decode",
+        "Decode-Want",
+        "Endpoint",
+        "Age",
+    ]
+
+
+@pytest.mark.parametrize(
+    "sample", sorted(p.name for p in (ROOT / "manifests" / "samples").glob("*.yaml"))
+)
+def test_samples_validate(sample: str) -> None:
+    doc = yaml.safe_load((ROOT / "manifests" / "samples" / sample).read_text())
+    InferenceDeploymentSpec.model_validate(doc["spec"])
+
+
+def _spec(**roles: dict) -> dict:
+    return {"model": {"name": "m", "source": {"uri": "/m"}}, "roles": roles}
+
+
+def test_python_validation_mirrors_cel() -> None:
+    with pytest.raises(ValidationError, match="multiple of gpusPerPod"):
+        InferenceDeploymentSpec.model_validate(
+            _spec(prefill={"gpusPerPod": 8, "parallelism": {"tensor": 3}}, decode={})
+        )
+    with pytest.raises(ValidationError, match=r"model\.moe"):
+        InferenceDeploymentSpec.model_validate(
+            _spec(prefill={}, decode={"parallelism": {"expert": True}})
+        )
+    with pytest.raises(ValidationError, match="connector"):
+        InferenceDeploymentSpec.model_validate(_spec(unified={}))
+
+
+def test_api_imports_neither_torch_nor_kopf_and_operator_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fleetserve.api.crd, fleetserve.api.compat;"
+        "assert not {'torch', 'kopf'} & set(sys.modules), 'api';"
+        "import fleetserve.operator.handlers;"
+        "assert 'torch' not in sys.modules, 'operator'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

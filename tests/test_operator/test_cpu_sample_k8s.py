@@ -1,0 +1,57 @@
+"""Engine contract on the dev cluster's local node (issue 6 acceptance 5).
+
+The CPU SmolLM2 sample's pods run as real `fleetserve serve` processes: every rendered flag and env
+var must be accepted, the engines must load the model and pass their /health readiness probes, and
+the InferenceDeployment must turn Ready from those probes alone.
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_operator.conftest import OperatorEnv, poll
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_sample_runs_real_engines(operator_env: OperatorEnv) -> None:
+    env = operator_env
+    doc = yaml.safe_load((ROOT / "manifests" / "samples" / "cpu-smollm2.yaml").read_text())
+    if not Path(doc["spec"]["model"]["source"]["uri"]).is_dir():
+        pytest.skip("bundled model not prepared (run `fleetserve models prepare`)")
+    # The local node runs `command` as a process: use this interpreter (the image is ignored).
+    doc["spec"]["engine"]["command"] = [sys.executable, "-m", "fleetserve"]
+    name = doc["metadata"]["name"]
+    ns = env.new_namespace("cpu-sample")
+    try:
+        env.apply(ns, doc)
+
+        def ready() -> bool:
+            st = (env.get("inferencedeployment", ns, name) or {}).get("status") or {}
+            return any(
+                c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", [])
+            )
+
+        poll("Ready from the engines' readiness probes", ready, timeout_s=240, interval_s=1)
+        pods = env.get("pod", ns, selector=f"fleetserve.io/deployment={name},fleetserve.io/group")
+        assert sorted(p["metadata"]["name"] for p in pods["items"]) == [
+            f"{name}-decode-0-0",
+            f"{name}-prefill-0-0",
+        ]
+        for pod in pods["items"]:
+            assert pod["spec"]["nodeName"] == env.dc.local_node
+            statuses = pod["status"]["containerStatuses"]
+            assert [s["restartCount"] for s in statuses] == [0], pod["metadata"]["name"]
+            url = f"http://{pod['status']['podIP']}:8000/health"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert resp.status == 200
+    finally:
+        env.kubectl("delete", "infd", "-n", ns, name, "--wait=false", check=False)
+        env.delete_namespace(ns)
