@@ -55,7 +55,7 @@ fmt: setup ## Format and auto-fix
 	$(VENV)/bin/ruff check --fix fleetserve tests
 
 .PHONY: gpu-check
-gpu-check: setup ## On a CUDA machine: GPU kernel tests + kernel benchmark, one table
+gpu-check: setup ## On a CUDA machine: GPU tests + kernel and decode benchmarks, one summary
 	fleetserve/bench/gpu_check.sh
 
 ##@ Deployment

@@ -32,6 +32,12 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    from fleetserve.bench.decode import run_from_args
+
+    return run_from_args(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from fleetserve.bench.serve import run_from_args
 
@@ -69,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench = bench_sub.add_parser("serve", help="online serving benchmark (TTFT/TPOT/ITL)")
     add_serve_arguments(serve_bench)
     serve_bench.set_defaults(func=_cmd_bench_serve)
+    from fleetserve.bench.decode import add_arguments as add_decode_arguments
+
+    decode = bench_sub.add_parser(
+        "decode", help="small-batch decode tok/s vs the weight-read roofline (CUDA graphs/eager)"
+    )
+    add_decode_arguments(decode)
+    decode.set_defaults(func=_cmd_bench_decode)
 
     from fleetserve.server.cli import register as register_serve
 

@@ -18,6 +18,8 @@ _DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 _BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
 _POLICIES: tuple[str, ...] = ("fcfs", "priority")
+_CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
+_LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")
 
 
 def _require(cond: bool, name: str, allowed: str, value: object) -> None:
@@ -37,12 +39,21 @@ class ModelConfig:
     """Longest sequence (prompt + output) a request may reach, in tokens."""
     seed: int = 0
     """Seed for requests without their own seed; random sampling stays reproducible per engine."""
+    load_format: str = "safetensors"
+    """'safetensors' (the folder's checkpoint) or 'dummy' (seeded random weights from config.json
+    alone: benchmarks of a model's shape without its checkpoint)."""
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """The parsed config.json (kept for model construction; not part of equality)."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES[1:], "dtype", f"one of {_DTYPES[1:]}", self.dtype)
         _require(self.max_model_len > 0, "max_model_len", "a positive integer", self.max_model_len)
+        _require(
+            self.load_format in _LOAD_FORMATS,
+            "load_format",
+            f"one of {_LOAD_FORMATS}",
+            self.load_format,
+        )
 
     @property
     def architecture(self) -> str:
@@ -168,6 +179,12 @@ class DeviceConfig:
     """'cpu' or 'cuda' (resolved from 'auto' by `EngineConfig.create`)."""
     attention_backend: str = "auto"
     """'auto', 'torch', 'triton' or 'flash_attn'."""
+    custom_ops: str = "torch"
+    """Implementation of RMSNorm, rotary and SiLU-and-mul: 'torch' (eager ops) or 'triton' (the
+    fused kernels of `fleetserve.kernels`); `EngineConfig.create` resolves 'auto' to triton on
+    CUDA and torch on the CPU."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (every step runs eagerly); only meaningful on CUDA."""
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)
@@ -176,6 +193,12 @@ class DeviceConfig:
             "attention_backend",
             f"one of {_BACKENDS}",
             self.attention_backend,
+        )
+        _require(
+            self.custom_ops in _CUSTOM_OPS[1:],
+            "custom_ops",
+            f"one of {_CUSTOM_OPS[1:]}",
+            self.custom_ops,
         )
 
 
@@ -216,12 +239,18 @@ class EngineConfig:
         enable_eplb: bool = False,
         kv_transfer_config: dict[str, Any] | None = None,
         gpu_memory_utilization: float = 0.9,
+        custom_ops: str = "auto",
+        enforce_eager: bool = False,
+        load_format: str = "safetensors",
     ) -> EngineConfig:
         """Resolve 'auto' values against the model folder and the machine, then validate."""
         hf_config = load_hf_config(model)
         _require(dtype in _DTYPES, "dtype", f"one of {_DTYPES}", dtype)
         _require(device in _DEVICES, "device", f"one of {_DEVICES}", device)
+        _require(custom_ops in _CUSTOM_OPS, "custom_ops", f"one of {_CUSTOM_OPS}", custom_ops)
         resolved_device = _resolve_device(device)
+        if custom_ops == "auto":
+            custom_ops = "triton" if resolved_device == "cuda" else "torch"
         resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:
@@ -245,6 +274,7 @@ class EngineConfig:
                 dtype=resolved_dtype,
                 max_model_len=max_model_len,
                 seed=seed,
+                load_format=load_format,
                 hf_config=hf_config,
             ),
             cache=CacheConfig(
@@ -268,7 +298,12 @@ class EngineConfig:
                 enable_expert_parallel=enable_expert_parallel,
                 enable_eplb=enable_eplb,
             ),
-            device=DeviceConfig(device=resolved_device, attention_backend=attention_backend),
+            device=DeviceConfig(
+                device=resolved_device,
+                attention_backend=attention_backend,
+                custom_ops=custom_ops,
+                enforce_eager=enforce_eager,
+            ),
             kv_transfer=kv_transfer_config,
         )
 

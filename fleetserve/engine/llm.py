@@ -52,6 +52,10 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         full_sequence_must_fit: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        custom_ops: str = "auto",
+        enforce_eager: bool = False,
+        load_format: str = "safetensors",
     ) -> None:
         if model is None:
             from fleetserve.engine.models.bundled import bundled_model_path
@@ -78,6 +82,10 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=scheduling_policy,
             full_sequence_must_fit=full_sequence_must_fit,
+            gpu_memory_utilization=gpu_memory_utilization,
+            custom_ops=custom_ops,
+            enforce_eager=enforce_eager,
+            load_format=load_format,
         )
         self.tokenizer = load_tokenizer(model)
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.config.model.hf_config)

@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--attention-backend", default="auto",
                         help="auto | torch | triton | flash_attn")  # fmt: skip
+    engine.add_argument("--custom-ops", default="auto",
+                        help="auto | torch | triton (RMSNorm, rotary, SiLU kernels)")  # fmt: skip
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="never capture CUDA graphs")  # fmt: skip
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--load-format", default="safetensors",
+                        help="safetensors | dummy (seeded random weights)")  # fmt: skip
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--pipeline-parallel-size", type=int, default=1)
     engine.add_argument("--enable-expert-parallel", action="store_true")
@@ -100,6 +107,10 @@ def build_server_config(args: argparse.Namespace) -> Any:
         enable_expert_parallel=args.enable_expert_parallel,
         enable_eplb=args.enable_eplb,
         kv_transfer_config=args.kv_transfer_config,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        custom_ops=args.custom_ops,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
     )
     return ServerConfig(
         engine=engine,

@@ -8,8 +8,19 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """`silu(x[..., :d]) * x[..., d:]` for x [..., 2d] (gate first, then up)."""
+    """`silu(x[..., :d]) * x[..., d:]` for x [..., 2d] (gate first, then up).
+
+    With `use_triton`, x must be 2-D and one fused kernel reads it once and writes the result.
+    """
+
+    def __init__(self, *, use_triton: bool = False) -> None:
+        super().__init__()
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from fleetserve.kernels.silu_and_mul import silu_and_mul
+
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

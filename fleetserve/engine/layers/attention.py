@@ -1,10 +1,10 @@
 """Paged attention: per-step metadata, the backend interface, the torch reference backend.
 
-Lifecycle: the model runner builds one `AttentionMetadata` per step (`build_attention_metadata`),
-shared by every layer. Each attention layer holds a backend instance (chosen once at load time by
+Lifecycle: the model runner builds one `AttentionMetadata` per step over its persistent step
+buffers (`build_attention_metadata` builds one from host lists), shared by every layer. Each attention layer holds a backend instance (chosen once at load time by
 `select_attention_backend`) and calls `forward(query, key, value, kv_cache, metadata, scale)`, which
-first writes this step's K/V into the paged cache through `slot_mapping`, then attends over the
-cache. Kernel backends ("triton", "flash_attn") register in `attention_backend_registry()`; model
+first writes this step's K/V into the paged cache through `slot_mapping` (`write_kv`), then
+attends over the cache (`attend`, the part each backend implements). Kernel backends ("triton", "flash_attn") register in `attention_backend_registry()`; model
 code never changes when they do.
 
 KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_size]`
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import cached_property
 
 import torch
@@ -32,6 +33,18 @@ Measured on this project's 2-core box (SmolLM2 heads, fp32, 64 rows of 300-640 t
 15 calls): one group 11.7-17.0 ms per layer; budget 16 MiB 12.1 ms, 8 MiB 8.4, 4 MiB 5.9,
 2 MiB 6.4, 1 MiB 8.4.
 """
+
+
+class CudaGraphSupport(IntEnum):
+    """Which batches a backend's forward can be captured for as a CUDA graph (higher = more).
+
+    Capturable means: no host synchronisation, no data-dependent shapes, and launch geometry fixed
+    by the padded batch size alone (the metadata's host-side lengths are upper bounds there).
+    """
+
+    NEVER = 0
+    UNIFORM_DECODE = 1
+    """Batches where every request computes exactly one token."""
 
 
 @dataclass
@@ -159,6 +172,7 @@ class AttentionBackend(ABC):
     """None = any head size."""
     supported_block_sizes: tuple[int, ...] | None = None
     """None = any block size."""
+    cuda_graph_support: CudaGraphSupport = CudaGraphSupport.NEVER
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int) -> None:
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -196,7 +210,6 @@ class AttentionBackend(ABC):
         """
         return None
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -218,6 +231,34 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_size]; rows past `num_actual_tokens` are unspecified.
         """
+        num_tokens = metadata.num_actual_tokens
+        self.write_kv(
+            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
+        )
+        return self.attend(query, kv_cache, metadata, scale)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter key/value [T, Hkv, D] into the cache at `slot_mapping` [T] (-1 = skip)."""
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of `query` over the cache (this step's K/V already written).
+
+        Returns a new [num_tokens, num_heads, head_size] tensor (see `forward`).
+        """
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -234,19 +275,14 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
-        )
         output = torch.empty_like(query)
         if metadata.num_reqs == 0:
             return output

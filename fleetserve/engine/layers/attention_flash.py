@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from fleetserve.engine.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    reshape_and_cache,
-)
+from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -53,19 +49,14 @@ class FlashAttentionBackend(AttentionBackend):
             reason = f"flash_attn needs device 'cuda', got {device.type!r}"
         return reason
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
-        )
         output = torch.empty_like(query)
         if metadata.num_reqs == 0:
             return output

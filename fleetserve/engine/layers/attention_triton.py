@@ -13,7 +13,11 @@ import importlib.util
 
 import torch
 
-from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from fleetserve.engine.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CudaGraphSupport,
+)
 from fleetserve.kernels import is_interpreter
 
 
@@ -29,6 +33,10 @@ class TritonAttentionBackend(AttentionBackend):
     supported_features: frozenset[str] = frozenset(
         {"mixed_batch", "gqa", "sliding_window", "split_kv_decode"}
     )
+    # NOTE: both launches read lengths from device tensors; the grid depends only on the padded
+    # batch and on max_seq_len, which graph capture fixes at max_model_len (the kernel stops at
+    # each row's own length, so empty splits cost a launch slot, not work).
+    cuda_graph_support = CudaGraphSupport.UNIFORM_DECODE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_size)
@@ -73,19 +81,22 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return None
 
-    def forward(
+    def write_kv(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self._reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens = metadata.num_actual_tokens
-        self._reshape_and_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
-        )
         return self._paged_attention(
             query,
             kv_cache,

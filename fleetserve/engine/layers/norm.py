@@ -2,7 +2,8 @@
 
 `norm(x)` returns the normalised tensor; `norm(x, residual)` first adds `x` to `residual` and
 returns `(normed(x + residual), x + residual)`, so decoder layers carry the residual stream
-without a separate add kernel per sub-block.
+without a separate add kernel per sub-block. With `use_triton` the fused kernel of
+`fleetserve.kernels.rms_norm` does the add and the norm in one launch (one read, one write).
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 like Hugging Face's LlamaRMSNorm."""
 
     def __init__(
-        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.use_triton = use_triton
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -32,6 +40,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from fleetserve.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.

@@ -129,7 +129,10 @@ class RotaryEmbedding:
         max_position: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        use_triton: bool = False,
     ) -> None:
+        self.use_triton = use_triton
         partial = float(hf_config.get("partial_rotary_factor", 1.0))
         self.rotary_dim = int(head_size * partial)
         self.head_size = head_size
@@ -145,7 +148,15 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query [T, H, D] and key [T, Hkv, D] by their token positions [T]."""
+        """Rotate query [T, H, D] and key [T, Hkv, D] by their token positions [T].
+
+        The torch path returns new tensors; the triton path rotates both in place and returns
+        them (callers must use the return values either way).
+        """
+        if self.use_triton:
+            from fleetserve.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

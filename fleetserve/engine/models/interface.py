@@ -8,11 +8,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fleetserve.engine.layers.attention import AttentionMetadata
+from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 
 
 class CausalLM(nn.Module, ABC):
     """A decoder-only LM over a flat token batch with a paged KV cache."""
+
+    attn_backend: type[AttentionBackend]
+    """The attention backend every layer uses (its capabilities decide CUDA graph capture)."""
 
     @abstractmethod
     def forward(

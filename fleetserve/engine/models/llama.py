@@ -88,7 +88,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, hf_config: dict[str, Any], *, bias: bool, dtype: torch.dtype, device: torch.device
+        self,
+        hf_config: dict[str, Any],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         hidden = int(hf_config["hidden_size"])
@@ -100,7 +106,7 @@ class LlamaMLP(nn.Module):
             hidden, [intermediate, intermediate], bias=bias, dtype=dtype, device=device
         )
         self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(use_triton=use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -118,6 +124,7 @@ class LlamaDecoderLayer(nn.Module):
         mlp_bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         hidden = int(hf_config["hidden_size"])
@@ -131,9 +138,11 @@ class LlamaDecoderLayer(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.mlp = LlamaMLP(hf_config, bias=mlp_bias, dtype=dtype, device=device)
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.mlp = LlamaMLP(
+            hf_config, bias=mlp_bias, dtype=dtype, device=device, use_triton=use_triton
+        )
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
 
     def forward(
         self,
@@ -165,6 +174,7 @@ class LlamaModel(nn.Module):
         max_position: int,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         hidden = int(hf_config["hidden_size"])
@@ -172,7 +182,14 @@ class LlamaModel(nn.Module):
             int(hf_config["vocab_size"]), hidden, dtype=dtype, device=device
         )
         # NOTE: one rotary table for all layers (they share the config).
-        rotary = RotaryEmbedding(hf_config, head_size_of(hf_config), max_position, dtype, device)
+        rotary = RotaryEmbedding(
+            hf_config,
+            head_size_of(hf_config),
+            max_position,
+            dtype,
+            device,
+            use_triton=use_triton,
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 hf_config,
@@ -183,10 +200,12 @@ class LlamaModel(nn.Module):
                 mlp_bias=mlp_bias,
                 dtype=dtype,
                 device=device,
+                use_triton=use_triton,
             )
             for _ in range(int(hf_config["num_hidden_layers"]))
         )
-        self.norm = RMSNorm(hidden, float(hf_config.get("rms_norm_eps", 1e-6)), dtype, device)
+        eps = float(hf_config.get("rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
 
     def forward(
         self,
@@ -206,7 +225,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama (and Mistral) causal LM.
 
-    Construction allocates uninitialised weights on `device`; `load_weights` fills them.
+    Construction allocates uninitialised weights on `device`; `load_weights` fills them. With
+    `use_triton_ops`, RMSNorm, rotary and SiLU-and-mul run as the fused kernels of
+    `fleetserve.kernels` instead of eager torch ops.
     """
 
     uses_sliding_window_by_default = True
@@ -226,6 +247,7 @@ class LlamaForCausalLM(CausalLM):
         max_position: int,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton_ops: bool = False,
     ) -> None:
         super().__init__()
         window = hf_config.get("sliding_window")
@@ -236,6 +258,7 @@ class LlamaForCausalLM(CausalLM):
                 f"sliding_window ({window}), got {max_position}"
             )
         qkv_bias, o_bias, mlp_bias = self.projection_biases(hf_config)
+        self.attn_backend = attn_backend
         self.model = LlamaModel(
             hf_config,
             attn_backend,
@@ -245,6 +268,7 @@ class LlamaForCausalLM(CausalLM):
             max_position=max_position,
             dtype=dtype,
             device=device,
+            use_triton=use_triton_ops,
         )
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.lm_head = Linear(

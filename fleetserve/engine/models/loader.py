@@ -3,6 +3,10 @@
 Weights stream tensor by tensor from `safe_open` (never a whole file in memory), are cast to the
 engine dtype and copied into pre-allocated parameters on the target device. The lm_head is tied to
 the embedding when the config says so or when the checkpoint has no `lm_head.weight`.
+
+`load_format="dummy"` skips the checkpoint: parameters are drawn from a seeded normal (std 0.02;
+norm weights 1) directly on the device, so a model's shape can be benchmarked from its
+config.json alone (e.g. an 8B model without 16 GB of weights on disk).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fleetserve.engine.layers.attention import select_attention_backend
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import head_size_of
 from fleetserve.engine.models.registry import resolve_model_class
+from fleetserve.kernels import is_interpreter
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -96,13 +101,23 @@ def load_model(config: EngineConfig) -> CausalLM:
         config.cache.block_size,
         device,
     )
+    use_triton_ops = config.device.custom_ops == "triton"
+    if use_triton_ops and device.type != "cuda" and not is_interpreter():
+        raise ValueError(
+            "custom_ops 'triton' runs on device 'cpu' only in Triton's interpreter "
+            "(set TRITON_INTERPRET=1), or use custom_ops 'torch'"
+        )
     model = model_cls(
         hf_config,
         attn_backend=backend,
         max_position=config.model.max_model_len,
         dtype=dtype,
         device=device,
+        use_triton_ops=use_triton_ops,
     )
+    if config.model.load_format == "dummy":
+        initialize_dummy_weights(model, config.model.seed)
+        return model.eval()
     loaded = model.load_weights(iterate_weights(config.model.model, dtype))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if "lm_head.weight" in expected - loaded and "model.embed_tokens.weight" in loaded:
@@ -115,3 +130,19 @@ def load_model(config: EngineConfig) -> CausalLM:
             + (" ..." if len(missing) > 8 else "")
         )
     return model.eval()
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter in place: norm weights 1, biases 0, the rest N(0, 0.02), seeded."""
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if generator is None:
+                generator = torch.Generator(device=param.device)
+                generator.manual_seed(seed)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)

@@ -10,7 +10,8 @@ from fleetserve.engine.worker.model_runner import ModelRunner
 class UniProcExecutor:
     """One model runner, called directly (no RPC); the EngineCore's view of the workers.
 
-    Lifecycle: `initialize()` once (load, size and allocate the KV cache), then
+    Lifecycle: `initialize()` once (load, size and allocate the KV cache, capture CUDA graphs),
+    then
     `execute_model(so)` per step, then `shutdown()`.
     """
 
@@ -23,6 +24,7 @@ class UniProcExecutor:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -30,5 +32,8 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         """Release the model and the KV cache (the process may keep running)."""
+        if self.runner.decode_graphs is not None:
+            self.runner.decode_graphs.clear()
+            self.runner.decode_graphs = None
         self.runner.model = None
         self.runner.kv_caches = []

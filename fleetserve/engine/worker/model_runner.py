@@ -1,15 +1,19 @@
 """The model runner: persistent batch + model + paged KV cache + sampler, one step at a time.
 
-Lifecycle: `load_model()` → `determine_num_kv_blocks()` → `initialize_kv_cache(n)` → per step
-`execute_model(scheduler_output)`. Each step (seed notes part 1 §2.15–2.16):
+Lifecycle: `load_model()` → `determine_num_kv_blocks()` → `initialize_kv_cache(n)` →
+`capture_cuda_graphs()` → per step `execute_model(scheduler_output)`. Each step (seed notes part 1
+§2.15–2.16):
 
 1. `_update_states`: drop finished requests (state deleted) and preempted ones (state kept, so a
    seeded generator continues when the request returns as new), zero freshly allocated blocks,
    add new requests, apply the deltas of cached ones, condense the batch.
 2. `_prepare_inputs`: flat input ids, positions (num_computed_tokens + i), slot mapping
-   (block_id * block_size + offset), attention metadata.
-3. forward under `torch.inference_mode()`; logits only for requests whose every token is computed
-   after this step (a prefill chunk that stops short samples nothing).
+   (block_id * block_size + offset) and attention metadata, written into the persistent step
+   buffers (pinned on CUDA) and copied to the device; a uniform decode batch is padded to a
+   CUDA graph size when graphs are on.
+3. forward under `torch.inference_mode()` (a graph replay for padded decode batches); logits only
+   for requests whose every token is computed after this step (a prefill chunk that stops short
+   samples nothing).
 4. sample, append the sampled tokens to the requests' states, report them.
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,12 +35,14 @@ from fleetserve.engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from fleetserve.engine.layers.attention import AttentionMetadata, build_attention_metadata
+from fleetserve.engine.layers.attention import AttentionMetadata, CudaGraphSupport
 from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sampling_metadata
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import head_size_of
 from fleetserve.engine.models.loader import load_model, read_eos_token_ids, torch_dtype
+from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from fleetserve.engine.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +58,11 @@ def _cdiv(a: int, b: int) -> int:
 class _StepInputs:
     req_ids: list[str]
     """Scheduled requests in row order (the order of the flat token dimension)."""
-    input_ids: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64 (padded tokens included)
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
+    padded_size: int | None
+    """The decode-graph size this batch was padded to, or None (runs eagerly, unpadded)."""
     sample_req_indices: list[int]
     """Indices into `req_ids` of the requests that sample this step."""
     logits_indices: torch.Tensor  # [num_sampling] int64, their last token in the flat batch
@@ -85,6 +95,15 @@ class ModelRunner:
         self.sampler = Sampler(default_generator)
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        """Set by `capture_cuda_graphs` (CUDA); tests may set a non-capturing one on the CPU."""
+        max_graph_batch = cuda_graph_capture_sizes(config.scheduler.max_num_seqs)[-1]
+        self.buffers = StepBuffers(
+            max(config.scheduler.max_num_batched_tokens, max_graph_batch),
+            config.scheduler.max_num_seqs,
+            self.max_num_blocks_per_req,
+            self.device,
+        )
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -143,6 +162,54 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
 
+    def cuda_graph_off_reason(self) -> str | None:
+        """None when decode batches should be captured as CUDA graphs, else why not."""
+        assert self.model is not None, "load_model() must run first"
+        if self.device.type != "cuda":
+            return f"device is {self.device.type!r}"
+        if self.config.device.enforce_eager:
+            return "enforce_eager is set"
+        backend = self.model.attn_backend
+        if backend.cuda_graph_support < CudaGraphSupport.UNIFORM_DECODE:
+            return f"attention backend {backend.name!r} cannot be captured"
+        return None
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture one decode graph per size up to max_num_seqs (when graphs apply); returns
+        how many were captured. Runs after the KV cache exists (graphs record its address)."""
+        assert self.kv_caches, "initialize_kv_cache() must run before capture_cuda_graphs()"
+        reason = self.cuda_graph_off_reason()
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return 0
+        sizes = cuda_graph_capture_sizes(self.config.scheduler.max_num_seqs)
+        self.decode_graphs = DecodeGraphs(sizes, capture=True)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.decode_graphs.capture_all(self._padding_forward)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs (decode batches %d..%d) in %.1f s using %.0f MiB",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - started,
+            used / (1 << 20),
+        )
+        return len(sizes)
+
+    def _padding_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """A forward over `size` padding rows (what capture records before any request)."""
+        self.buffers.wait_for_copies()
+        self._write_padding(0, size)
+        ids, positions, metadata = self._padded_device_inputs(size, [])
+        self.buffers.record_copies()
+        model = self.model
+        assert model is not None
+        return lambda: model(ids, positions, self.kv_caches, metadata)
+
     # -- step ----------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -153,10 +220,16 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         inputs = self._prepare_inputs(scheduler_output)
+        model = self.model
         with torch.inference_mode():
-            hidden_states = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
-            )
+
+            def forward() -> torch.Tensor:
+                return model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+            if inputs.padded_size is not None and self.decode_graphs is not None:
+                hidden_states = self.decode_graphs.run(inputs.padded_size, forward)
+            else:
+                hidden_states = forward()
             sampled: list[list[int]] = [[] for _ in inputs.req_ids]
             logprobs: dict[str, LogprobsLists] = {}
             if inputs.sample_req_indices:
@@ -257,6 +330,7 @@ class ModelRunner:
             (r for r, n in so.num_scheduled_tokens.items() if n > 0),
             key=lambda r: batch.req_id_to_index[r],
         )
+        num_reqs = len(scheduled)
         rows = np.array([batch.req_id_to_index[r] for r in scheduled], dtype=np.int64)
         query_lens = np.array([so.num_scheduled_tokens[r] for r in scheduled], dtype=np.int64)
         starts = batch.num_computed_tokens[rows].astype(np.int64)
@@ -268,26 +342,86 @@ class ModelRunner:
         offsets = np.arange(total) - np.repeat(cu_query - query_lens, query_lens)
         positions = np.repeat(starts, query_lens) + offsets
         block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-        num_table_cols = _cdiv(int(seq_lens.max()), self.block_size)
-        block_table = torch.from_numpy(batch.block_table[rows, :num_table_cols])
-        metadata = build_attention_metadata(
-            query_lens.tolist(),
-            seq_lens.tolist(),
-            block_table,
-            torch.from_numpy(slot_mapping),
-            self.block_size,
-            self.device,
-        )
+
+        buf = self.buffers
+        buf.wait_for_copies()
+        buf.input_ids.np[:total] = batch.token_ids[token_rows, positions]
+        buf.positions.np[:total] = positions
+        buf.slot_mapping.np[:total] = block_ids * self.block_size + positions % self.block_size
+        buf.query_start_loc.np[0] = 0
+        buf.query_start_loc.np[1 : num_reqs + 1] = cu_query
+        buf.seq_lens.np[:num_reqs] = seq_lens
+        buf.block_table.np[:num_reqs] = batch.block_table[rows]
+
+        graphs = self.decode_graphs
+        padded = graphs.padded_size(num_reqs, total == num_reqs) if graphs is not None else None
+        if padded is not None:
+            self._write_padding(num_reqs, padded)
+            ids, pos, metadata = self._padded_device_inputs(padded, seq_lens.tolist())
+        else:
+            num_cols = _cdiv(int(seq_lens.max()), self.block_size)
+            metadata = AttentionMetadata(
+                num_actual_tokens=total,
+                query_start_loc=buf.query_start_loc.to_device(num_reqs + 1),
+                seq_lens=buf.seq_lens.to_device(num_reqs),
+                max_query_len=int(query_lens.max()),
+                max_seq_len=int(seq_lens.max()),
+                block_table=buf.block_table.to_device(num_reqs)[:, :num_cols],
+                slot_mapping=buf.slot_mapping.to_device(total),
+                block_size=self.block_size,
+                query_lens_cpu=query_lens.tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+                is_uniform_decode=total == num_reqs,
+            )
+            ids, pos = buf.input_ids.to_device(total), buf.positions.to_device(total)
+        buf.record_copies()
         sample_idx = [i for i, row in enumerate(rows) if seq_lens[i] == batch.num_tokens[row]]
         return _StepInputs(
             req_ids=scheduled,
-            input_ids=torch.from_numpy(batch.token_ids[token_rows, positions]).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
+            input_ids=ids,
+            positions=pos,
             metadata=metadata,
+            padded_size=padded,
             sample_req_indices=sample_idx,
             logits_indices=torch.from_numpy(cu_query[sample_idx] - 1).to(self.device),
         )
+
+    def _write_padding(self, start: int, end: int) -> None:
+        """Rows start..end-1 (one token each) become inert: token 0 at position 0, length 1 in
+        the null block 0, slot -1 (writes nothing); the real rows 0..start-1 are untouched."""
+        buf = self.buffers
+        buf.input_ids.np[start:end] = 0
+        buf.positions.np[start:end] = 0
+        buf.slot_mapping.np[start:end] = -1
+        buf.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        buf.seq_lens.np[start:end] = 1
+        buf.block_table.np[start:end, 0] = 0
+
+    def _padded_device_inputs(
+        self, size: int, real_seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device inputs of a padded uniform decode batch whose first rows are real.
+
+        Launch geometry must depend on `size` alone (a graph replays it for any lengths), so the
+        metadata's host-side maxima are the limits (query 1, sequence max_model_len) and the
+        block table keeps its full width; the kernels stop at each row's own length.
+        """
+        buf = self.buffers
+        num_padding = size - len(real_seq_lens)
+        metadata = AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=buf.query_start_loc.to_device(size + 1),
+            seq_lens=buf.seq_lens.to_device(size),
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_table=buf.block_table.to_device(size),
+            slot_mapping=buf.slot_mapping.to_device(size),
+            block_size=self.block_size,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[*real_seq_lens, *([1] * num_padding)],
+            is_uniform_decode=True,
+        )
+        return buf.input_ids.to_device(size), buf.positions.to_device(size), metadata
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}

@@ -1,0 +1,233 @@
+"""`fleetserve bench decode`: small-batch decode tokens/s against the weight-read roofline.
+
+At batch 1 a decode step must read every weight once, so the fastest possible step takes
+(weight bytes) / (device bandwidth). This benchmark builds a model of a named shape (default: a
+Llama-3.1-8B-shaped one) with seeded random weights (`load_format="dummy"`: no checkpoint needed),
+measures the device's copy bandwidth in the same run, then times decode steps through
+`EngineCore`, once with CUDA graphs and once eagerly (`enforce_eager`), and prints tokens/s, step
+time and the fraction of the roofline side by side.
+
+On a host without CUDA only `--shape tiny` makes sense; it runs on the CPU as a smoke check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    mode: str
+    """'cuda graphs' or 'eager' (what ran: graphs are off on the CPU whatever was asked)."""
+    step_ms: float
+    """Median wall time of one decode step (every request computes one token)."""
+    tokens_per_s: float
+    roofline_tokens_per_s: float
+    """batch_size / (weight bytes read per step / copy bandwidth)."""
+
+    @property
+    def fraction_of_roofline(self) -> float:
+        return self.tokens_per_s / self.roofline_tokens_per_s
+
+
+def write_shape_folder(shape: str, root: Path) -> Path:
+    """A model folder holding only config.json for the named shape."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    folder = root / shape
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    return folder
+
+
+def weight_bytes_per_step(model: Any, batch_size: int) -> int:
+    """Bytes of weights one decode step reads: all parameters, but only `batch_size` rows of
+    the input embedding (the lm_head is read whole)."""
+    total = 0
+    embedding = model.model.embed_tokens.weight
+    for param in model.parameters():
+        if param is embedding and param is not model.lm_head.weight:
+            total += batch_size * param.shape[1] * param.element_size()
+        else:
+            total += param.numel() * param.element_size()
+    return total
+
+
+def run_mode(
+    model_dir: Path, args: argparse.Namespace, *, enforce_eager: bool, copy_gb_s: float
+) -> DecodeResult:
+    """Time `args.steps` decode steps of `args.batch_size` requests in a fresh engine."""
+    import torch
+
+    from fleetserve.engine.config import EngineConfig
+    from fleetserve.engine.core.engine_core import EngineCore
+    from fleetserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig.create(
+        str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        load_format="dummy",
+        max_model_len=args.input_len + args.steps + 8,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
+        enforce_eager=enforce_eager,
+        attention_backend=args.attention_backend,
+    )
+    core = EngineCore(config)
+    runner = core.executor.runner
+    assert runner.model is not None
+    weights = weight_bytes_per_step(runner.model, args.batch_size)
+    rng = random.Random(args.seed)
+    vocab = config.model.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+    for i in range(args.batch_size):
+        prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
+        core.add_request(f"r{i}", prompt, params, eos_token_id=None)
+    # Prefill (and the first token of every request) before timing: only decode steps count.
+    started: set[str] = set()
+    while len(started) < args.batch_size:
+        started.update(out.req_id for out in core.step() if out.new_token_ids)
+    mode = "cuda graphs" if runner.decode_graphs is not None else "eager"
+    device = torch.device(config.device.device)
+    samples = []
+    for _ in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        core.step()
+        samples.append(time.perf_counter() - start)
+    core.shutdown()
+    del core, runner
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    samples = samples[len(samples) // 5 :]  # first steps warm allocator and caches
+    step_s = sorted(samples)[len(samples) // 2]
+    roofline_step_s = weights / (copy_gb_s * 1e9)
+    return DecodeResult(
+        mode=mode,
+        step_ms=step_s * 1e3,
+        tokens_per_s=args.batch_size / step_s,
+        roofline_tokens_per_s=args.batch_size / roofline_step_s,
+    )
+
+
+def format_table(
+    shape: str, device_name: str, copy_gb_s: float, batch: int, rows: list[DecodeResult]
+) -> str:
+    lines = [
+        f"decode: {shape} on {device_name}, batch {batch}, copy bandwidth {copy_gb_s:.0f} GB/s",
+        f"{'mode':<12} {'step ms':>9} {'tok/s':>10} {'roofline tok/s':>15} {'of roofline':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.mode:<12} {r.step_ms:9.3f} {r.tokens_per_s:10.1f} "
+            f"{r.roofline_tokens_per_s:15.1f} {100 * r.fraction_of_roofline:11.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=128, help="decode steps timed")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs,eager")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    import torch
+
+    from fleetserve.kernels.bench import measure_roofline
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - {"graphs", "eager"})
+    if unknown or not modes:
+        raise ValueError(f"--modes must list 'graphs' and/or 'eager', got {args.modes!r}")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    copy_gb_s = measure_roofline(device, smoke=not cuda).copy_gb_s
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fleetserve-decode-") as tmp:
+        model_dir = write_shape_folder(args.shape, Path(tmp))
+        for mode in modes:
+            rows.append(
+                run_mode(model_dir, args, enforce_eager=mode == "eager", copy_gb_s=copy_gb_s)
+            )
+    print(format_table(args.shape, device_name, copy_gb_s, args.batch_size, rows))
+    if args.json:
+        payload = {
+            "shape": args.shape,
+            "device": device_name,
+            "copy_gb_s": copy_gb_s,
+            "batch_size": args.batch_size,
+            "rows": [{**asdict(r), "fraction_of_roofline": r.fraction_of_roofline} for r in rows],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
