@@ -170,8 +170,14 @@ def _attention_cases(device: torch.device, dtype: torch.dtype, smoke: bool) -> l
             "prefill": [(0, 2048), (0, 2048)],
             "mixed": [(1024, 512)] + [(2000, 1)] * 64,
             "decode": [(1023, 1)] * 128,
+            "decode-4k": [(4095, 1)] * 32,
             "long-decode": [(32767, 1)] * 4,
         }
+    )
+    # NOTE: the acceptance shape (context >= 4k, batch >= 32) is also run at fixed split counts,
+    # so one GPU run shows whether the split heuristic leaves bandwidth on the table.
+    split_sweeps: dict[str, tuple[int | None, ...]] = (
+        {"decode": (None, 1, 2)} if smoke else {"decode-4k": (None, 1, 2, 4, 8)}
     )
     elt = torch.finfo(dtype).bits // 8
     scale = head_size**-0.5
@@ -206,44 +212,51 @@ def _attention_cases(device: torch.device, dtype: torch.dtype, smoke: bool) -> l
         k = torch.randn(num_tokens, kv_heads, head_size, device=device).to(dtype)
         v = torch.randn_like(k)
         pairs = sum(q_len * (c + (q_len + 1) / 2) for c, q_len in requests)
+        for num_kv_splits in split_sweeps.get(label, (None,)):
 
-        def triton_step(
-            q: torch.Tensor = q,
-            k: torch.Tensor = k,
-            v: torch.Tensor = v,
-            cache: torch.Tensor = cache,
-            slot_mapping: torch.Tensor = slot_mapping,
-            query_start_loc: torch.Tensor = query_start_loc,
-            seq_lens_t: torch.Tensor = seq_lens_t,
-            table: torch.Tensor = table,
-            max_query_len: int = max(query_lens),
-            max_seq_len: int = max(seq_lens),
-        ) -> object:
-            reshape_and_cache(k, v, cache, slot_mapping)
-            return paged_attention(
-                q,
-                cache,
-                query_start_loc,
-                seq_lens_t,
-                table,
-                max_query_len,
-                scale,
-                max_seq_len=max_seq_len,
-            )
+            def triton_step(
+                q: torch.Tensor = q,
+                k: torch.Tensor = k,
+                v: torch.Tensor = v,
+                cache: torch.Tensor = cache,
+                slot_mapping: torch.Tensor = slot_mapping,
+                query_start_loc: torch.Tensor = query_start_loc,
+                seq_lens_t: torch.Tensor = seq_lens_t,
+                table: torch.Tensor = table,
+                max_query_len: int = max(query_lens),
+                max_seq_len: int = max(seq_lens),
+                num_kv_splits: int | None = num_kv_splits,
+            ) -> object:
+                reshape_and_cache(k, v, cache, slot_mapping)
+                return paged_attention(
+                    q,
+                    cache,
+                    query_start_loc,
+                    seq_lens_t,
+                    table,
+                    max_query_len,
+                    scale,
+                    max_seq_len=max_seq_len,
+                    num_kv_splits=num_kv_splits,
+                )
 
-        cases.append(
-            BenchCase(
-                name="attention",
-                config=f"{label} T={num_tokens} reqs={len(requests)} {dtype}".replace("torch.", ""),
-                bytes_moved=elt
-                * head_size
-                * (2 * num_tokens * heads + 2 * kv_heads * (sum(seq_lens) + num_tokens)),
-                flops=int(4 * pairs * heads * head_size),
-                triton=triton_step,
-                torch=partial(_sdpa_paged, q, k, v, cache, slot_mapping, gather, query_lens, scale),
-                flash=_flash_varlen(q, cache, gather, query_start_loc, query_lens, scale),
+            splits = "" if num_kv_splits is None else f" splits={num_kv_splits}"
+            config = f"{label} T={num_tokens} reqs={len(requests)}{splits} {dtype}"
+            cases.append(
+                BenchCase(
+                    name="attention",
+                    config=config.replace("torch.", ""),
+                    bytes_moved=elt
+                    * head_size
+                    * (2 * num_tokens * heads + 2 * kv_heads * (sum(seq_lens) + num_tokens)),
+                    flops=int(4 * pairs * heads * head_size),
+                    triton=triton_step,
+                    torch=partial(
+                        _sdpa_paged, q, k, v, cache, slot_mapping, gather, query_lens, scale
+                    ),
+                    flash=_flash_varlen(q, cache, gather, query_start_loc, query_lens, scale),
+                )
             )
-        )
     return cases
 
 
