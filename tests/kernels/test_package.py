@@ -33,13 +33,14 @@ def test_bench_smoke_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     rows = json.loads(out.read_text())["rows"]
     names = [row["name"] for row in rows]
     assert names == [
-        "attention",
-        "attention",
+        *["attention"] * 4,
         "rms_norm+residual",
         "silu_and_mul",
         "rotary (neox)",
         "reshape_and_cache",
         "fused_moe",
     ]
+    assert [row["config"].split(" T=")[0] for row in rows[:4]] == ["mixed", *["decode"] * 3]
+    assert [" splits=" in row["config"] for row in rows[:4]] == [False, False, True, True]
     assert all(row["triton_ms"] > 0 and row["torch_ms"] > 0 for row in rows)
     assert len(table.splitlines()) == 2 + len(rows)
