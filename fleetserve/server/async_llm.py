@@ -195,11 +195,13 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        admit: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the returned iterator yields its DELTA outputs until `finished`.
 
         Validation and admission happen before this returns, so a caller can still answer
-        with an HTTP error. Leaving the iteration early aborts the request; callers that might
+        with an HTTP error. Admission is decided once per client request: the later prompts of
+        a batch pass `admit=False`, so a batch is admitted or refused as a whole. Leaving the iteration early aborts the request; callers that might
         never start iterating should call `abort(request_id)` in a `finally` (a no-op once done).
 
         Raises:
@@ -207,7 +209,10 @@ class AsyncLLM:
             EngineOverloadedError: too many sequences wait already (nothing was added).
             EngineDeadError: the core process is gone (also raised by the iterator mid-way).
         """
-        self.check_admission()
+        if admit:
+            self.check_admission()
+        elif not self.is_healthy:
+            raise EngineDeadError("the engine core process is not running")
         validate_prompt(prompt_token_ids, params, self.config)
         state = self._add(request_id, prompt_token_ids, params, prompt, priority, cache_salt)
         return self._stream(request_id, state)

@@ -143,24 +143,28 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (batched prompts are refused).
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts of this request: one string or id list, or a batch of either.
 
         Raises:
-            ValueError: empty or batched prompts, or unsupported echo/suffix.
+            ValueError: an empty prompt or batch, `suffix`, or `echo` with `logprobs` (prompt
+                logprobs are not computed).
         """
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo is not supported together with logprobs")
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError("prompt must be one string or one list of token ids (no batches)")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        return prompt  # type: ignore[return-value]
+        batch: list[str | list[int]]
+        if isinstance(prompt, str):
+            batch = [prompt]
+        elif prompt and isinstance(prompt[0], str | list):
+            batch = [p for p in prompt if isinstance(p, str | list)]
+        else:
+            batch = [[t for t in prompt if isinstance(t, int)]]
+        if not all(batch):
+            raise ValueError("prompt must not be empty (nor hold an empty prompt)")
+        return batch
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)

@@ -4,10 +4,15 @@ Both endpoints share one pipeline (`_prepare` → `AsyncLLM.generate` → aggreg
 differ only in how a prompt is built (raw text / token ids vs. chat template) and how choices and
 logprobs are shaped (`_CompletionFormat`, `_ChatFormat`). A stream is `data: {chunk}` events,
 an optional usage-only chunk (`stream_options.include_usage`), and `data: [DONE]`.
+
+A completions request may carry a batch of prompts: each becomes its own engine request, and
+prompt p's choice j is choice `p * n + j` of the one response (OpenAI's numbering); their
+outputs are merged as they arrive, so a stream interleaves the choices.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -60,17 +65,34 @@ class _Choice:
 
 
 @dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a request and the engine request that serves it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    """The prompt as the client sent it, when it was text."""
+
+
+@dataclass(frozen=True)
 class _Prepared:
     request_id: str
+    """The response's id (also the engine request's, unless the prompts are a batch)."""
     body: SamplingRequest
-    prompt_token_ids: list[int]
-    prompt_text: str | None
+    prompts: list[_Prompt]
     params: SamplingParams
     client_request_id: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.client_request_id} if self.client_request_id else {}
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    def prompt_of(self, choice_index: int) -> _Prompt:
+        return self.prompts[choice_index // self.params.n]
 
 
 class _Format(Protocol):
@@ -100,14 +122,14 @@ class OpenAIServing:
         body = await parse_body(request, CompletionRequest)
         self.check_model(body.model)
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompt_list()
         except ValueError as exc:
             raise value_error(exc, "prompt") from exc
-        if isinstance(prompt, str):
-            ids, text = encode_prompt(self.tokenizer, prompt), prompt
-        else:
-            ids, text = list(prompt), None
-        prep = self._prepare(request, body, ids, text, lambda: body.to_sampling_params(), "cmpl")
+        encoded: list[tuple[list[int], str | None]] = [
+            (encode_prompt(self.tokenizer, p), p) if isinstance(p, str) else (list(p), None)
+            for p in prompts
+        ]
+        prep = self._prepare(request, body, encoded, lambda: body.to_sampling_params(), "cmpl")
         return await self._respond(request, prep, _CompletionFormat(self.tokenizer))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -121,7 +143,7 @@ class OpenAIServing:
             raise RequestError(400, str(exc), param="messages") from exc
         room = max(1, self.max_model_len - len(ids))
         prep = self._prepare(
-            request, body, ids, None, lambda: body.to_sampling_params(room), "chatcmpl"
+            request, body, [(ids, None)], lambda: body.to_sampling_params(room), "chatcmpl"
         )
         return await self._respond(request, prep, _ChatFormat(self.tokenizer))
 
@@ -140,16 +162,18 @@ class OpenAIServing:
         self,
         request: web.Request,
         body: SamplingRequest,
-        ids: list[int],
-        text: str | None,
+        prompts: list[tuple[list[int], str | None]],
         make_params: Callable[[], SamplingParams],
         id_prefix: str,
     ) -> _Prepared:
+        """Validate the params and every prompt's length before anything reaches the engine."""
         try:
             params = make_params()
         except ValueError as exc:
             raise value_error(exc) from exc
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+        for ids, _ in prompts:
+            if params.max_tokens is None or len(ids) + params.max_tokens <= self.max_model_len:
+                continue
             raise RequestError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -162,42 +186,60 @@ class OpenAIServing:
         # back and used in the engine, so one id follows the request through P/D and logs.
         client_id = request.headers.get(REQUEST_ID_HEADER)
         request_id = f"{id_prefix}-{client_id}" if client_id else random_id(id_prefix)
-        return _Prepared(request_id, body, ids, text, params, client_id)
+        if len(prompts) == 1:
+            engine_ids = [request_id]
+        else:
+            engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        return _Prepared(
+            request_id,
+            body,
+            [_Prompt(rid, ids, text) for rid, (ids, text) in zip(engine_ids, prompts, strict=True)],
+            params,
+            client_id,
+        )
 
     async def _respond(
         self, request: web.Request, prep: _Prepared, fmt: _Format
     ) -> web.StreamResponse:
         try:
-            outputs = self.engine.generate(
-                prep.request_id,
-                prep.prompt_token_ids,
-                prep.params,
-                prompt=prep.prompt_text,
-                priority=prep.body.priority,
-                cache_salt=prep.body.cache_salt,
-            )
-        except ValueError as exc:
-            raise value_error(exc, "prompt") from exc
-        except EngineOverloadedError as exc:
-            raise RequestError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
-        except EngineDeadError as exc:
-            raise RequestError(503, str(exc), retry_after_s=5) from exc
-        try:
+            streams = []
+            for i, prompt in enumerate(prep.prompts):
+                try:
+                    streams.append(
+                        self.engine.generate(
+                            prompt.request_id,
+                            prompt.token_ids,
+                            prep.params,
+                            prompt=prompt.text,
+                            priority=prep.body.priority,
+                            cache_salt=prep.body.cache_salt,
+                            admit=i == 0,
+                        )
+                    )
+                except ValueError as exc:
+                    raise value_error(exc, "prompt") from exc
+                except EngineOverloadedError as exc:
+                    raise RequestError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
+                except EngineDeadError as exc:
+                    raise RequestError(503, str(exc), retry_after_s=5) from exc
+            outputs = _merge(streams, prep.params.n)
             if prep.body.stream:
                 return await self._stream(request, prep, fmt, outputs)
             return await self._full(prep, fmt, outputs)
         finally:
-            # NOTE: a no-op once finished; aborts (frees KV blocks) on disconnect or error.
-            self.engine.abort(prep.request_id)
+            # NOTE: a no-op once finished; aborts (frees KV blocks) on disconnect, on error, and
+            # for the prompts of a batch admitted before a later one was refused.
+            for prompt in prep.prompts:
+                self.engine.abort(prompt.request_id)
 
     async def _full(
-        self, prep: _Prepared, fmt: _Format, outputs: AsyncIterator[RequestOutput]
+        self, prep: _Prepared, fmt: _Format, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> web.Response:
-        choices = [_Choice() for _ in range(prep.params.n)]
-        num_cached = 0
+        choices = [_Choice() for _ in range(prep.num_choices)]
+        cached: dict[int, int] = {}
         try:
-            async for output in outputs:
-                num_cached = output.num_cached_tokens
+            async for prompt_index, output in outputs:
+                cached[prompt_index] = output.num_cached_tokens
                 for delta in output.outputs:
                     choice = choices[delta.index]
                     choice.text += delta.text
@@ -207,7 +249,7 @@ class OpenAIServing:
                     choice.stop_reason = delta.stop_reason
         except EngineDeadError as exc:
             raise RequestError(503, str(exc), retry_after_s=5) from exc
-        usage = _usage(prep, sum(len(c.token_ids) for c in choices), num_cached)
+        usage = _usage(prep, sum(len(c.token_ids) for c in choices), sum(cached.values()))
         return web.Response(text=fmt.full(prep, self.model_name, choices, usage),
                             content_type="application/json", headers=prep.headers)  # fmt: skip
 
@@ -216,7 +258,7 @@ class OpenAIServing:
         request: web.Request,
         prep: _Prepared,
         fmt: _Format,
-        outputs: AsyncIterator[RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
@@ -226,13 +268,14 @@ class OpenAIServing:
             }
         )
         await response.prepare(request)
-        num_generated = num_cached = 0
+        num_generated = 0
+        cached: dict[int, int] = {}
         finished: set[int] = set()
         try:
             for event in fmt.first_chunks(prep, self.model_name):
                 await response.write(_sse(event))
-            async for output in outputs:
-                num_cached = output.num_cached_tokens
+            async for prompt_index, output in outputs:
+                cached[prompt_index] = output.num_cached_tokens
                 for delta in output.outputs:
                     # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
                     # siblings run; its finish_reason is sent once.
@@ -245,11 +288,11 @@ class OpenAIServing:
                     if chunk is not None:
                         await response.write(_sse(chunk))
             if prep.body.include_usage_in_stream:
-                usage = _usage(prep, num_generated, num_cached)
+                usage = _usage(prep, num_generated, sum(cached.values()))
                 await response.write(_sse(fmt.usage_chunk(prep, self.model_name, usage)))
         except EngineDeadError as exc:
             await response.write(_sse(error_body(503, str(exc))))
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             logger.info("client disconnected; aborting %s", prep.request_id)
             return response
         await response.write(b"data: [DONE]\n\n")
@@ -261,8 +304,46 @@ def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]], n: int
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from every stream as outputs arrive, with each output's
+    choice indices renumbered to the response's (`prompt index * n + index`)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except Exception as exc:
+            # The consumer re-raises it: one failed prompt fails the response.
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                for delta in item.outputs:
+                    delta.index += index * n
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _usage(prep: _Prepared, num_generated: int, num_cached: int) -> UsageInfo:
-    num_prompt = len(prep.prompt_token_ids)
+    num_prompt = sum(len(p.token_ids) for p in prep.prompts)
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_generated,
@@ -321,16 +402,25 @@ class _CompletionFormat:
             choices=[
                 CompletionResponseChoice(
                     index=i,
-                    text=c.text,
+                    text=self._echo(prep, i) + c.text,
                     logprobs=self._logprobs(prep, c.token_ids, c.logprobs, i),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                    prompt_token_ids=prep.prompt_of(i).token_ids if want_ids else None,
                     token_ids=c.token_ids if want_ids else None,
                 )
                 for i, c in enumerate(choices)
             ],
         ).model_dump_json()
+
+    def _echo(self, prep: _Prepared, index: int) -> str:
+        """The prompt's text when the request asked for `echo` (decoded if sent as ids)."""
+        if not (isinstance(prep.body, CompletionRequest) and prep.body.echo):
+            return ""
+        prompt = prep.prompt_of(index)
+        return (
+            prompt.text if prompt.text is not None else str(self.tokenizer.decode(prompt.token_ids))
+        )
 
     def first_chunks(self, prep: _Prepared, model: str) -> list[str]:
         return []
@@ -343,12 +433,12 @@ class _CompletionFormat:
         self._started.add(delta.index)
         choice = CompletionResponseChoice(
             index=delta.index,
-            text=delta.text,
+            text=(self._echo(prep, delta.index) if first else "") + delta.text,
             logprobs=self._logprobs(prep, delta.token_ids, delta.logprobs or [], delta.index),
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
-            # The prompt's ids go with each choice's first chunk only.
-            prompt_token_ids=prep.prompt_token_ids if want_ids and first else None,
+            # The prompt's ids (and its echo) go with each choice's first chunk only.
+            prompt_token_ids=prep.prompt_of(delta.index).token_ids if want_ids and first else None,
             token_ids=delta.token_ids if want_ids else None,
         )
         return CompletionStreamResponse(
@@ -410,7 +500,7 @@ class _ChatFormat:
                     logprobs=self._logprobs(prep, c.token_ids, c.logprobs),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                    prompt_token_ids=prep.prompts[0].token_ids if want_ids else None,
                     token_ids=c.token_ids if want_ids else None,
                 )
                 for i, c in enumerate(choices)
@@ -427,11 +517,11 @@ class _ChatFormat:
                     ChatCompletionStreamChoice(
                         index=i,
                         delta=DeltaMessage(role="assistant", content=""),
-                        prompt_token_ids=prep.prompt_token_ids if want_ids else None,
+                        prompt_token_ids=prep.prompts[0].token_ids if want_ids else None,
                     )
                 ],
             ).model_dump_json()
-            for i in range(prep.params.n)
+            for i in range(prep.num_choices)
         ]
 
     def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None:

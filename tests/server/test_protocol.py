@@ -14,7 +14,7 @@ def test_completion_request_maps_openai_and_vllm_fields() -> None:
         "logprobs": 2, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1,
         "ignore_eos": True, "logit_bias": {"17": 2.5}, "user": "u", "unknown_field": 1,
     })  # fmt: skip
-    assert body.single_prompt() == "hi"
+    assert body.prompt_list() == ["hi"]
     params = body.to_sampling_params()
     assert (params.max_tokens, params.temperature, params.stop, params.seed, params.n) == (
         5,
@@ -55,12 +55,29 @@ def test_chat_request_token_limits_and_logprobs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "message"),
-    [([], "prompt must not be empty"), (["a", "b"], "no batches"), ("", "must not be empty")],
+    ("prompt", "expected"),
+    [("a", ["a"]), ([5, 6], [[5, 6]]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
 )
-def test_single_prompt_refuses_batches_and_empty(prompt: object, message: str) -> None:
+def test_prompt_list_accepts_one_prompt_or_a_batch(prompt: object, expected: object) -> None:
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompt_list() == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": []}, "prompt must not be empty"),
+        ({"prompt": ""}, "must not be empty"),
+        ({"prompt": ["a", ""]}, "nor hold an empty prompt"),
+        ({"prompt": [[1], []]}, "nor hold an empty prompt"),
+        ({"prompt": "a", "suffix": "b"}, "suffix is not supported"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo is not supported together"),
+    ],
+)
+def test_prompt_list_refuses_empty_prompts_and_unsupported_fields(
+    body: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
-        CompletionRequest.model_validate({"prompt": prompt}).single_prompt()
+        CompletionRequest.model_validate(body).prompt_list()
 
 
 def test_value_error_names_the_field() -> None:

@@ -157,6 +157,58 @@ def test_streaming_n2_completions(client: Any, server: ServerHandle) -> None:
         assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+def test_batched_prompts_number_choices_prompt_major(
+    client: Any, server: ServerHandle, llm: LLM
+) -> None:
+    prompts = [PROMPT, "Water boils at", "One, two, three,"]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate(prompts, greedy)
+    result = client.completions.create(
+        model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, n=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in result.choices] == list(range(6))
+    for choice in result.choices:
+        want = expected[choice.index // 2]
+        assert choice.text == want.outputs[0].text  # greedy: both samples of a prompt agree
+        assert choice.model_extra["prompt_token_ids"] == want.prompt_token_ids
+    assert result.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert result.usage.completion_tokens == 6 * 5
+
+    stream = client.completions.create(
+        model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [e.outputs[0].text for e in expected]
+    assert chunks[-1].usage.completion_tokens == 3 * 5
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_echo_prepends_the_prompt(client: Any, server: ServerHandle, llm: LLM) -> None:
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4))[0]
+    full = client.completions.create(
+        model=server.model_name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True
+    )
+    assert full.choices[0].text == PROMPT + expected.outputs[0].text
+    stream = client.completions.create(
+        model=server.model_name, prompt=expected.prompt_token_ids, max_tokens=4, temperature=0,
+        echo=True, stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == llm.tokenizer.decode(expected.prompt_token_ids) + expected.outputs[0].text
+
+
+def test_a_refused_prompt_in_a_batch_refuses_the_batch(server: ServerHandle) -> None:
+    body = {"prompt": ["fine", "hello " * 600], "max_tokens": 2}
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
 def test_tokenize_and_detokenize(server: ServerHandle, llm: LLM) -> None:
     tokens = _post(server, "/tokenize", {"prompt": PROMPT}).json()
     assert tokens["tokens"] == llm.tokenizer.encode(PROMPT)
