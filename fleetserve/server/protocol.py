@@ -135,6 +135,12 @@ class SamplingRequest(OpenAIModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        """Every content chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]

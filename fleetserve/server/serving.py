@@ -104,7 +104,9 @@ class _Format(Protocol):
 
     def first_chunks(self, prep: _Prepared, model: str) -> list[str]: ...
 
-    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None: ...
+    def chunk(
+        self, prep: _Prepared, model: str, delta: CompletionOutput, usage: UsageInfo | None
+    ) -> str | None: ...
 
     def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str: ...
 
@@ -284,7 +286,12 @@ class OpenAIServing:
                     if delta.finish_reason is not None:
                         finished.add(delta.index)
                     num_generated += len(delta.token_ids)
-                    chunk = fmt.chunk(prep, self.model_name, delta)
+                    running = (
+                        _usage(prep, num_generated, sum(cached.values()))
+                        if prep.body.continuous_usage_in_stream
+                        else None
+                    )
+                    chunk = fmt.chunk(prep, self.model_name, delta, running)
                     if chunk is not None:
                         await response.write(_sse(chunk))
             if prep.body.include_usage_in_stream:
@@ -425,7 +432,9 @@ class _CompletionFormat:
     def first_chunks(self, prep: _Prepared, model: str) -> list[str]:
         return []
 
-    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None:
+    def chunk(
+        self, prep: _Prepared, model: str, delta: CompletionOutput, usage: UsageInfo | None
+    ) -> str | None:
         if not (delta.text or delta.finish_reason or delta.token_ids):
             return None
         want_ids = prep.body.return_token_ids
@@ -442,7 +451,7 @@ class _CompletionFormat:
             token_ids=delta.token_ids if want_ids else None,
         )
         return CompletionStreamResponse(
-            id=prep.request_id, model=model, choices=[choice]
+            id=prep.request_id, model=model, choices=[choice], usage=usage
         ).model_dump_json()
 
     def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str:
@@ -524,7 +533,9 @@ class _ChatFormat:
             for i in range(prep.num_choices)
         ]
 
-    def chunk(self, prep: _Prepared, model: str, delta: CompletionOutput) -> str | None:
+    def chunk(
+        self, prep: _Prepared, model: str, delta: CompletionOutput, usage: UsageInfo | None
+    ) -> str | None:
         if not (delta.text or delta.finish_reason or delta.token_ids):
             return None
         choice = ChatCompletionStreamChoice(
@@ -536,7 +547,7 @@ class _ChatFormat:
             token_ids=delta.token_ids if prep.body.return_token_ids else None,
         )
         return ChatCompletionStreamResponse(
-            id=prep.request_id, model=model, choices=[choice]
+            id=prep.request_id, model=model, choices=[choice], usage=usage
         ).model_dump_json()
 
     def usage_chunk(self, prep: _Prepared, model: str, usage: UsageInfo) -> str:

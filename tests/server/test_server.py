@@ -91,6 +91,7 @@ def test_greedy_chat_stream_equals_llm_chat(client: Any, server: ServerHandle, l
     assert finish == [expected.outputs[0].finish_reason]
     usage = chunks[-1].usage
     assert chunks[-1].choices == []
+    assert all(c.usage is None for c in chunks[:-1])  # only the final chunk without the option
     assert usage is not None
     assert usage.prompt_tokens == len(expected.prompt_token_ids)
     assert usage.completion_tokens == len(expected.outputs[0].token_ids)
@@ -187,6 +188,20 @@ def test_batched_prompts_number_choices_prompt_major(
     assert texts == [e.outputs[0].text for e in expected]
     assert chunks[-1].usage.completion_tokens == 3 * 5
     assert len({c.id for c in chunks}) == 1
+
+
+def test_continuous_usage_stats_count_up(client: Any, server: ServerHandle) -> None:
+    stream = client.completions.create(
+        model=server.model_name, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    # NOTE: deltas may coalesce when the client reads slowly; the count only ever grows.
+    assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] == 4
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
 
 
 def test_echo_prepends_the_prompt(client: Any, server: ServerHandle, llm: LLM) -> None:
