@@ -13,7 +13,11 @@ import kopf
 from fleetserve.api.models import GROUP, PLURAL, VERSION
 from fleetserve.operator.builders import LABEL_DEPLOYMENT, LABEL_GROUP
 from fleetserve.operator.kube import Kube
-from fleetserve.operator.reconcile import reconcile, recreate_group
+from fleetserve.operator.reconcile import (
+    reconcile,
+    recreate_group,
+    restart_group_after_container_restart,
+)
 from fleetserve.operator.runtime import OperatorState, configure
 
 
@@ -50,16 +54,21 @@ def on_group(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_GROUP: kopf.PRESENT})
 def on_pod(event: kopf.RawEvent, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    pod = cast(dict[str, Any], event["object"])
+    kube = Kube(memo.state.api, memo.state.writes)
     if event["type"] == "DELETED":
-        deleted = recreate_group(
-            Kube(memo.state.api, memo.state.writes), cast(dict[str, Any], event["object"])
+        deleted = recreate_group(kube, pod)
+        cause = "deleted"
+    else:
+        deleted = restart_group_after_container_restart(kube, pod)
+        cause = "restarted a container"
+    if deleted:
+        logger.info(
+            "recreating the group of %s (it %s): deleted %s",
+            pod["metadata"]["name"],
+            cause,
+            deleted,
         )
-        if deleted:
-            logger.info(
-                "recreating the group of %s: deleted %s",
-                event["object"]["metadata"]["name"],
-                deleted,
-            )
 
 
 __all__ = ["on_deployment", "on_group", "on_pod", "startup"]

@@ -24,9 +24,21 @@ from fleetserve.operator.builders import (
 from fleetserve.operator.kube import Kube
 from fleetserve.operator.status import GroupState, compute_status, group_state
 
-__all__ = ["CHILD_KINDS", "ReconcileResult", "is_subset", "reconcile", "recreate_group"]
+__all__ = [
+    "CHILD_KINDS",
+    "MIN_RUN_BEFORE_GROUP_RESTART_S",
+    "ReconcileResult",
+    "is_subset",
+    "reconcile",
+    "recreate_group",
+    "restart_group_after_container_restart",
+]
 
 CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment")
+
+MIN_RUN_BEFORE_GROUP_RESTART_S = 30.0
+"""A container that dies sooner after its pod was created is crash-looping at start-up: its
+group is left to the kubelet's back-off instead of being recreated in a hot loop."""
 
 
 @dataclass
@@ -135,6 +147,55 @@ def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> Re
     return result
 
 
+def _group_selector(labels: dict[str, str]) -> str:
+    return ",".join(
+        f"{k}={labels[k]}" for k in (LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_GROUP) if k in labels
+    )
+
+
+def _parse_time(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def restart_group_after_container_restart(kube: Kube, pod: dict[str, Any]) -> list[str]:
+    """When a container of a multi-pod group's pod has restarted, delete every pod of the group.
+
+    The ranks of one group share a torch.distributed world: a rank that restarts alone can
+    never rejoin it, so the whole group starts over (LeaderWorkerSet's
+    RecreateGroupOnPodRestart). The StatefulSet recreates the pods with fresh restart counts.
+
+    Returns:
+        Names of the pods deleted: none for a single-pod group (its container restart already
+        restarts the whole group), for a pod already being deleted, or for a container that
+        died within `MIN_RUN_BEFORE_GROUP_RESTART_S` of its pod's creation (crash-looping at
+        start-up, left to the kubelet's back-off).
+    """
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    if LABEL_GROUP not in labels or LABEL_DEPLOYMENT not in labels or meta.get("deletionTimestamp"):
+        return []
+    created = meta.get("creationTimestamp")
+    restarted_late = False
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        finished = (((status.get("lastState") or {}).get("terminated")) or {}).get("finishedAt")
+        if not status.get("restartCount") or not finished or not created:
+            continue
+        ran_s = (_parse_time(finished) - _parse_time(created)).total_seconds()
+        restarted_late = restarted_late or ran_s >= MIN_RUN_BEFORE_GROUP_RESTART_S
+    if not restarted_late:
+        return []
+    members = [
+        p
+        for p in kube.list("Pod", meta["namespace"], _group_selector(labels))
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+    if len(members) < 2:
+        return []
+    for member in members:
+        kube.delete("Pod", meta["namespace"], member["metadata"]["name"])
+    return [m["metadata"]["name"] for m in members]
+
+
 def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
     """After pod `pod` of a multi-pod group is gone, delete its older siblings (whole-group restart).
 
@@ -146,12 +207,9 @@ def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
     labels = meta.get("labels") or {}
     if LABEL_GROUP not in labels or LABEL_DEPLOYMENT not in labels:
         return []
-    selector = ",".join(
-        f"{k}={labels[k]}" for k in (LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_GROUP) if k in labels
-    )
     born = meta.get("creationTimestamp", "")
     deleted = []
-    for sibling in kube.list("Pod", meta["namespace"], selector):
+    for sibling in kube.list("Pod", meta["namespace"], _group_selector(labels)):
         smeta = sibling["metadata"]
         if smeta["name"] == meta["name"] or smeta.get("deletionTimestamp"):
             continue
