@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists
 from fleetserve.engine.detokenizer import IncrementalDetokenizer
-from fleetserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from fleetserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from fleetserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,9 +41,12 @@ def child_request_id(request_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Per-sequence params of an n > 1 request: n=1, and distinct seeds derived from the seed."""
+    """Per-sequence params of an n > 1 request: n=1, and distinct seeds derived from the seed.
+
+    Only the first sequence computes prompt logprobs (they are the prompt's, shared by all)."""
     seed = None if params.seed is None else params.seed + index
-    return params.clone(n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return params.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -62,6 +71,10 @@ class _Parent:
     kind: OutputKind
     sequences: dict[str, _Sequence]
     num_cached_tokens: int = 0
+    want_prompt_logprobs: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set from the first sequence's first output (only that sequence computes them)."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -113,7 +126,14 @@ class OutputProcessor:
             )
             for i, (child_id, child) in enumerate(children.items())
         }
-        self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, kind, sequences)
+        self._parents[request_id] = _Parent(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            kind,
+            sequences,
+            want_prompt_logprobs=params.prompt_logprobs is not None,
+        )
         for child_id in children:
             self._child_to_parent[child_id] = request_id
         return children
@@ -143,6 +163,9 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if parent.want_prompt_logprobs and parent.prompt_logprobs is None and seq.index == 0:
+                rows = out.prompt_logprobs
+                parent.prompt_logprobs = [None, *(self._logprob_entries(rows) if rows else [])]
             if self._apply(seq, out):
                 to_finish.append(out.req_id)
             touched[parent_id] = parent
@@ -169,20 +192,27 @@ class OutputProcessor:
         return False
 
     def _add_logprobs(self, seq: _Sequence, rows: LogprobsLists) -> None:
+        seq.logprobs.extend(self._logprob_entries(rows))
+        seq.cumulative_logprob += sum(values[0] for values in rows.logprobs)
+
+    def _logprob_entries(self, rows: LogprobsLists) -> list[dict[int, Logprob]]:
+        """One dict per row: its first token (the sampled or the prompt's) with its rank, then
+        the top-k by rank."""
+        entries = []
         for ids, values, rank in zip(
             rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks, strict=True
         ):
             entry: dict[int, Logprob] = {}
             for pos, (token_id, value) in enumerate(zip(ids, values, strict=True)):
                 if token_id in entry:
-                    continue  # the sampled token also appears among the top-k
+                    continue  # the row's token also appears among the top-k
                 entry[token_id] = Logprob(
                     logprob=value,
                     rank=rank if pos == 0 else pos,
                     decoded_token=str(self._tokenizer.decode([token_id])),
                 )
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += values[0]
+            entries.append(entry)
+        return entries
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         delta = parent.kind is OutputKind.DELTA
@@ -205,6 +235,10 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -212,4 +246,5 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

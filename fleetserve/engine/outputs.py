@@ -18,6 +18,10 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 """One dict per generated token: token id → Logprob (the sampled token plus the top-k)."""
 
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""One entry per prompt token: None for the first (nothing precedes it), then token id →
+Logprob for the prompt token itself plus the top-k, given the tokens before it."""
+
 
 @dataclass
 class CompletionOutput:
@@ -49,3 +53,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """When the request asked for `prompt_logprobs` (in a stream: the first output only)."""

@@ -20,6 +20,7 @@ from fleetserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from fleetserve.engine.core.kv_cache_utils import BlockHash
+    from fleetserve.engine.core.outputs import LogprobsLists
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,6 +86,8 @@ class Request:
         """Prefix-cache hit length at first scheduling (-1 until scheduled)."""
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
+        self.prompt_logprobs_rows: LogprobsLists | None = None
+        """Prompt logprobs gathered chunk by chunk until they go out with the first token."""
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

@@ -31,6 +31,7 @@ class SamplingParams:
         "min_tokens",
         "n",
         "presence_penalty",
+        "prompt_logprobs",
         "repetition_penalty",
         "seed",
         "stop",
@@ -58,6 +59,7 @@ class SamplingParams:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         logit_bias: dict[int, float] | None = None,
         allowed_token_ids: list[int] | None = None,
         include_stop_str_in_output: bool = False,
@@ -84,6 +86,7 @@ class SamplingParams:
         self.stop_token_ids: list[int] = list(stop_token_ids or [])
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.logit_bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         self.allowed_token_ids = list(allowed_token_ids) if allowed_token_ids else None
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -157,6 +160,14 @@ class SamplingParams:
             self.logprobs is None
             or (isinstance(self.logprobs, int) and -1 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
+            f"None, -1 (whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        check(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int) and -1 <= self.prompt_logprobs <= MAX_LOGPROBS
+            ),
+            "prompt_logprobs",
             f"None, -1 (whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
         )
         if self.logit_bias:

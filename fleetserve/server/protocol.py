@@ -103,7 +103,9 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError naming the field on bad values (e.g. "max_tokens must be ...")."""
         logit_bias: dict[int, float] | None = None
         if self.logit_bias:
@@ -127,6 +129,7 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -153,13 +156,12 @@ class CompletionRequest(SamplingRequest):
         """The prompts of this request: one string or id list, or a batch of either.
 
         Raises:
-            ValueError: an empty prompt or batch, `suffix`, or `echo` with `logprobs` (prompt
-                logprobs are not computed).
+            ValueError: an empty prompt or batch, `suffix`, or `echo` with `logprobs` and n > 1.
         """
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo is not supported together with logprobs")
+        if self.echo and self.logprobs is not None and self.n != 1:
+            raise ValueError("echo with logprobs needs n=1 (the prompt's logprobs are shared)")
         prompt = self.prompt
         batch: list[str | list[int]]
         if isinstance(prompt, str):
@@ -173,7 +175,9 @@ class CompletionRequest(SamplingRequest):
         return batch
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        """`echo` with `logprobs` also asks for the prompt's logprobs (echoed before the output's)."""
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from fleetserve.engine.chat import apply_chat_template
-from fleetserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fleetserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.tokenizer import encode_prompt
 from fleetserve.server.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
@@ -82,6 +82,8 @@ class _Prepared:
     prompts: list[_Prompt]
     params: SamplingParams
     client_request_id: str | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    """Prompt index → its prompt logprobs, filled as outputs arrive (echo with logprobs)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -242,6 +244,8 @@ class OpenAIServing:
         try:
             async for prompt_index, output in outputs:
                 cached[prompt_index] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prep.prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for delta in output.outputs:
                     choice = choices[delta.index]
                     choice.text += delta.text
@@ -278,6 +282,8 @@ class OpenAIServing:
                 await response.write(_sse(event))
             async for prompt_index, output in outputs:
                 cached[prompt_index] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prep.prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for delta in output.outputs:
                     # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
                     # siblings run; its finish_reason is sent once.
@@ -379,11 +385,32 @@ class _CompletionFormat:
         token_ids: list[int],
         entries: list[dict[int, Logprob]],
         index: int,
+        *,
+        with_prompt: bool,
     ) -> CompletionLogprobs | None:
+        """The logprobs of `token_ids`; with `with_prompt` (echo), the prompt's come first
+        (the first prompt token has none: nothing precedes it)."""
         if prep.params.logprobs is None:
             return None
         result = CompletionLogprobs()
         offset = self._text_offsets.get(index, 0)
+        if with_prompt and self._echoes(prep):
+            prompt = prep.prompt_of(index)
+            prompt_entries = prep.prompt_logprobs.get(index // prep.params.n) or []
+            for pos, token_id in enumerate(prompt.token_ids):
+                entry = prompt_entries[pos] if pos < len(prompt_entries) else None
+                own = entry.get(token_id) if entry else None
+                token = str(self.tokenizer.decode([token_id]))
+                result.tokens.append(token)
+                result.token_logprobs.append(own.logprob if own else None)
+                result.text_offset.append(offset)
+                offset += len(token)
+                top = _top(entry, token_id, max(prep.params.logprobs, 0)) if entry else None
+                result.top_logprobs.append(
+                    {lp.decoded_token or "": lp.logprob for _, lp in top}
+                    if top is not None
+                    else None
+                )
         for token_id, entry in zip(token_ids, entries, strict=False):
             sampled = entry.get(token_id)
             token = (
@@ -410,7 +437,7 @@ class _CompletionFormat:
                 CompletionResponseChoice(
                     index=i,
                     text=self._echo(prep, i) + c.text,
-                    logprobs=self._logprobs(prep, c.token_ids, c.logprobs, i),
+                    logprobs=self._logprobs(prep, c.token_ids, c.logprobs, i, with_prompt=True),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     prompt_token_ids=prep.prompt_of(i).token_ids if want_ids else None,
@@ -420,9 +447,13 @@ class _CompletionFormat:
             ],
         ).model_dump_json()
 
+    @staticmethod
+    def _echoes(prep: _Prepared) -> bool:
+        return isinstance(prep.body, CompletionRequest) and prep.body.echo
+
     def _echo(self, prep: _Prepared, index: int) -> str:
         """The prompt's text when the request asked for `echo` (decoded if sent as ids)."""
-        if not (isinstance(prep.body, CompletionRequest) and prep.body.echo):
+        if not self._echoes(prep):
             return ""
         prompt = prep.prompt_of(index)
         return (
@@ -443,7 +474,9 @@ class _CompletionFormat:
         choice = CompletionResponseChoice(
             index=delta.index,
             text=(self._echo(prep, delta.index) if first else "") + delta.text,
-            logprobs=self._logprobs(prep, delta.token_ids, delta.logprobs or [], delta.index),
+            logprobs=self._logprobs(
+                prep, delta.token_ids, delta.logprobs or [], delta.index, with_prompt=first
+            ),
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
             # The prompt's ids (and its echo) go with each choice's first chunk only.

@@ -70,7 +70,7 @@ def test_prompt_list_accepts_one_prompt_or_a_batch(prompt: object, expected: obj
         ({"prompt": ["a", ""]}, "nor hold an empty prompt"),
         ({"prompt": [[1], []]}, "nor hold an empty prompt"),
         ({"prompt": "a", "suffix": "b"}, "suffix is not supported"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo is not supported together"),
+        ({"prompt": "a", "echo": True, "logprobs": 1, "n": 2}, "echo with logprobs needs n=1"),
     ],
 )
 def test_prompt_list_refuses_empty_prompts_and_unsupported_fields(

@@ -218,6 +218,36 @@ def test_echo_prepends_the_prompt(client: Any, server: ServerHandle, llm: LLM) -
     assert text == llm.tokenizer.decode(expected.prompt_token_ids) + expected.outputs[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: Any, server: ServerHandle, llm: LLM) -> None:
+    """What evaluation harnesses send for log-likelihoods: the prompt's own logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2)
+    expected = llm.generate([PROMPT], params)[0]
+    assert expected.prompt_logprobs is not None
+    prompt_ids = expected.prompt_token_ids
+    for stream in (False, True):
+        result = client.completions.create(
+            model=server.model_name, prompt=prompt_ids, max_tokens=1, temperature=0, echo=True,
+            logprobs=2, stream=stream,
+        )  # fmt: skip
+        choices = [c.choices[0] for c in result if c.choices] if stream else result.choices
+        tokens = [t for c in choices for t in c.logprobs.tokens]
+        values = [v for c in choices for v in c.logprobs.token_logprobs]
+        tops = [t for c in choices for t in c.logprobs.top_logprobs]
+        assert len(tokens) == len(prompt_ids) + 1
+        assert "".join(c.text for c in choices) == "".join(tokens)
+        assert values[0] is None and tops[0] is None
+        for pos, token_id in enumerate(prompt_ids[1:], start=1):
+            entry = expected.prompt_logprobs[pos]
+            assert entry is not None
+            assert values[pos] == pytest.approx(entry[token_id].logprob, abs=1e-4)
+            assert len(tops[pos]) == 2
+        assert values[-1] == pytest.approx(
+            expected.outputs[0].logprobs[0][expected.outputs[0].token_ids[0]].logprob, abs=1e-4
+        )
+    bad = _post(server, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "n": 2})
+    assert bad.status_code == 400 and "n=1" in bad.json()["error"]["message"]
+
+
 def test_a_refused_prompt_in_a_batch_refuses_the_batch(server: ServerHandle) -> None:
     body = {"prompt": ["fine", "hello " * 600], "max_tokens": 2}
     response = _post(server, "/v1/completions", body)

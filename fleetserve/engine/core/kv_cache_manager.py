@@ -80,12 +80,13 @@ class KVCacheManager:
         """Longest chain of cached full blocks at the start of `request`.
 
         The hit stops at the first missing hash and never covers the last token: that token is
-        always recomputed so the step produces logits to sample from.
+        always recomputed so the step produces logits to sample from. A request that wants
+        prompt logprobs gets no hit: every prompt position must be computed for its logits.
 
         Returns:
             The hit blocks and the number of tokens they hold (a multiple of block_size).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []

@@ -91,6 +91,9 @@ class ModelRunnerOutput:
     """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Only for requests that asked for logprobs and sampled a token this step."""
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """For requests that asked for prompt logprobs: one row per prompt position computed this
+    step that has a next prompt token (row first = that token, then the top-k)."""
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -104,6 +107,9 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
+    """Rows for prompt tokens 1 .. P-1 (each given the tokens before it); sent once, with the
+    request's first token."""
     finish_reason: str | None = None
     """'stop', 'length' or 'abort' once finished, else None."""
     stop_reason: int | str | None = None
@@ -129,3 +135,14 @@ class SchedulerStats:
     """Cumulative tokens found in the prefix cache."""
     num_preemptions: int = 0
     """Cumulative preemptions."""
+
+
+def concat_logprobs_rows(first: LogprobsLists | None, more: LogprobsLists) -> LogprobsLists:
+    """The rows of `first` (if any) followed by those of `more` (a new object)."""
+    if first is None:
+        return more
+    return LogprobsLists(
+        logprob_token_ids=first.logprob_token_ids + more.logprob_token_ids,
+        logprobs=first.logprobs + more.logprobs,
+        sampled_token_ranks=first.sampled_token_ranks + more.sampled_token_ranks,
+    )

@@ -32,6 +32,7 @@ from fleetserve.engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    concat_logprobs_rows,
 )
 from fleetserve.engine.core.request_queue import SchedulingPolicy, create_request_queue
 from fleetserve.engine.request import Request, RequestStatus
@@ -338,6 +339,11 @@ class Scheduler:
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
+            prompt_rows = model_runner_output.prompt_logprobs.get(req_id)
+            if prompt_rows is not None and request is not None:
+                request.prompt_logprobs_rows = concat_logprobs_rows(
+                    request.prompt_logprobs_rows, prompt_rows
+                )
             if not sampled or request is None or request.status != RequestStatus.RUNNING:
                 # NOTE: finished (aborted) or preempted since the step was scheduled: stale.
                 continue
@@ -358,11 +364,13 @@ class Scheduler:
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=logprobs,
+                    prompt_logprobs=request.prompt_logprobs_rows,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
+            request.prompt_logprobs_rows = None
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)

@@ -214,7 +214,7 @@ class Sampler(torch.nn.Module):
         logprobs = None
         if raw_logprobs is not None:
             assert metadata.max_num_logprobs is not None, "logprobs snapshot without a request"
-            logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def apply_logits_processors(
@@ -365,10 +365,11 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
 ) -> LogprobsLists:
-    """Sampled token first, then the top `num_logprobs` (-1: every token id in order)."""
+    """Per row: the given token first (`sampled` [rows], e.g. the sampled one), with its rank,
+    then the top `num_logprobs` (-1: every token id in order)."""
     num_reqs, vocab_size = raw_logprobs.shape
     sampled = sampled.unsqueeze(1)
     sampled_logprobs = raw_logprobs.gather(1, sampled)

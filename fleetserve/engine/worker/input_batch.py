@@ -30,6 +30,9 @@ class CachedRequestState:
     num_computed_tokens: int
     num_synced_tokens: int = 0
     """Tokens the scheduler had sent as of its last message (its `new_token_ids` follow these)."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose next-token logprobs were reported (kept across preemption, so a
+    recomputed prompt reports none twice)."""
 
     @property
     def num_tokens(self) -> int:

@@ -34,9 +34,15 @@ from fleetserve.engine.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    concat_logprobs_rows,
 )
 from fleetserve.engine.layers.attention import AttentionMetadata, CudaGraphSupport
-from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from fleetserve.engine.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    build_sampling_metadata,
+    gather_logprobs,
+)
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import head_size_of
 from fleetserve.engine.models.loader import load_model, read_eos_token_ids, torch_dtype
@@ -48,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 _CUDA_RESERVE_BYTES = 512 << 20
 """Headroom left on the GPU for the allocator, kernels' workspaces and the logits."""
+
+_PROMPT_LOGITS_ROWS = 256
+"""Prompt positions whose logits are materialised at once (bounds rows x vocab floats)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -246,14 +255,56 @@ class ModelRunner:
                         logprobs[state.req_id] = _logprobs_row(
                             output.logprobs, row, k, self.vocab_size
                         )
+            prompt_logprobs = self._prompt_logprobs(inputs, hidden_states, scheduler_output)
         for req_id in inputs.req_ids:
             state = self.requests[req_id]
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
             row = self.input_batch.req_id_to_index[req_id]
             self.input_batch.num_computed_tokens[row] = state.num_computed_tokens
         return ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+            req_ids=inputs.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, inputs: _StepInputs, hidden_states: torch.Tensor, so: SchedulerOutput
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of each prompt token given the ones before it, for the prompt positions
+        computed this step by requests that asked (`prompt_logprobs`); a position is reported
+        once, even when preemption makes the prompt be computed again."""
+        assert self.model is not None
+        result: dict[str, LogprobsLists] = {}
+        row = 0
+        for req_id in inputs.req_ids:
+            state = self.requests[req_id]
+            num_scheduled = so.num_scheduled_tokens[req_id]
+            chunk_row, row = row, row + num_scheduled
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            # Position p's logits give the probability of prompt token p + 1.
+            start = state.num_computed_tokens
+            first = max(start, state.num_prompt_logprobs)
+            last = min(start + num_scheduled, len(state.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            rows = torch.arange(chunk_row + first - start, chunk_row + last - start)
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1])
+            pieces = []
+            for i in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+                part = rows[i : i + _PROMPT_LOGITS_ROWS].to(self.device)
+                logits = self.model.compute_logits(hidden_states[part])
+                raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+                target = targets[i : i + _PROMPT_LOGITS_ROWS].to(self.device)
+                pieces.append(gather_logprobs(raw, target, k))
+            merged = pieces[0]
+            for piece in pieces[1:]:
+                merged = concat_logprobs_rows(merged, piece)
+            result[req_id] = merged
+            state.num_prompt_logprobs = last
+        return result
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -291,6 +342,7 @@ class ModelRunner:
     def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
         previous = self.requests.get(new.req_id)
         generator = previous.generator if previous is not None else None
+        num_prompt_logprobs = previous.num_prompt_logprobs if previous is not None else 0
         seed = new.sampling_params.seed
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device)
@@ -305,6 +357,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             num_synced_tokens=num_tokens,
+            num_prompt_logprobs=num_prompt_logprobs,
         )
 
     def _sync_tokens(self, state: CachedRequestState, new_token_ids: list[int]) -> None:
