@@ -11,6 +11,7 @@ import itertools
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,8 +80,30 @@ def test_padded_decode_batches_give_the_unpadded_tokens(tmp_path: Path, backend:
     llm = _tiny_llm(path, attention_backend=backend)
     runner = _runner(llm)
     runner.decode_graphs = DecodeGraphs((1, 2, 4, 8), capture=False)
+    prepared: list[Any] = []
+    prepare = runner._prepare_inputs
+
+    def recording_prepare(so: Any) -> Any:
+        prepared.append(prepare(so))
+        return prepared[-1]
+
+    runner._prepare_inputs = recording_prepare  # type: ignore[method-assign]
     assert _greedy_tokens(llm, PROMPTS) == expected
     assert runner.decode_graphs.num_runs >= 5  # every decode step after the prefill
+    # What a graph replays must live at fixed addresses: every padded step reads the same
+    # storage (seed scenario 44: no per-step allocations).
+    buffers = runner.buffers
+    padded = [p for p in prepared if p.padded_size is not None]
+    assert len(padded) == runner.decode_graphs.num_runs
+    for inputs in padded:
+        assert inputs.input_ids.data_ptr() == buffers.input_ids.device.data_ptr()
+        assert inputs.positions.data_ptr() == buffers.positions.device.data_ptr()
+        metadata = inputs.metadata
+        assert metadata.slot_mapping.data_ptr() == buffers.slot_mapping.device.data_ptr()
+        assert metadata.block_table.data_ptr() == buffers.block_table.device.data_ptr()
+        assert metadata.seq_lens.data_ptr() == buffers.seq_lens.device.data_ptr()
+        assert metadata.query_start_loc.data_ptr() == buffers.query_start_loc.device.data_ptr()
+        assert inputs.input_ids.shape[0] in (1, 2, 4, 8)
     for kv_cache in runner.kv_caches:  # padding rows wrote nothing, least of all the null block
         assert not kv_cache[:, 0].any()
 
