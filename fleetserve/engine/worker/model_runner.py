@@ -189,7 +189,9 @@ class ModelRunner:
         assert self.kv_caches, "initialize_kv_cache() must run before capture_cuda_graphs()"
         reason = self.cuda_graph_off_reason()
         if reason is not None:
-            logger.info("CUDA graphs off: %s", reason)
+            # NOTE: on the CPU there is nothing to say; on CUDA the reason matters.
+            log = logger.debug if self.device.type == "cpu" else logger.info
+            log("CUDA graphs off: %s", reason)
             return 0
         sizes = cuda_graph_capture_sizes(self.config.scheduler.max_num_seqs)
         self.decode_graphs = DecodeGraphs(sizes, capture=True)
