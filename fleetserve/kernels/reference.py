@@ -4,8 +4,8 @@ Each `<op>_ref` has the same signature and contract as its kernel wrapper `<op>`
 for clarity, not speed: per-request loops and dense masks. Where the engine already has the
 operation (RMSNorm, SiLU-and-mul, neox rotary), the reference reproduces the engine layer's
 arithmetic exactly, dtype roundings included (the tests check both agree), so a kernel that
-matches the reference matches the engine. Like the rest of `kernels`, this module imports only
-torch.
+matches the reference matches the engine. `reshape_and_cache_ref` is also the engine's own KV
+write in the torch attention backend. Like the rest of `kernels`, this module imports only torch.
 """
 
 from __future__ import annotations

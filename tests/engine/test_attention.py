@@ -10,9 +10,9 @@ from fleetserve.engine.layers.attention import (
     AttentionBackend,
     TorchAttentionBackend,
     build_attention_metadata,
-    reshape_and_cache,
     select_attention_backend,
 )
+from fleetserve.kernels.reference import reshape_and_cache_ref
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 32
@@ -68,7 +68,7 @@ def _run_batch(
             block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)
         ]
         # The context is already cached by earlier steps.
-        reshape_and_cache(
+        reshape_and_cache_ref(
             k[:context_len],
             v[:context_len],
             kv_cache,
@@ -161,7 +161,7 @@ def test_write_lands_at_block_times_size_plus_offset() -> None:
 def test_slot_minus_one_writes_nothing() -> None:
     kv_cache = torch.zeros(2, 3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
     key = torch.ones(3, NUM_KV_HEADS, HEAD_SIZE)
-    reshape_and_cache(key, 2 * key, kv_cache, torch.tensor([5, -1, 0]))
+    reshape_and_cache_ref(key, 2 * key, kv_cache, torch.tensor([5, -1, 0]))
     flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
     assert flat[0, 5].eq(1).all() and flat[1, 5].eq(2).all()
     assert flat[0, 0].eq(1).all()

@@ -24,6 +24,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from fleetserve.kernels.reference import reshape_and_cache_ref
+
 logger = logging.getLogger(__name__)
 
 _DECODE_GATHER_BYTES = 4 << 20
@@ -143,22 +145,6 @@ def build_attention_metadata(
     )
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Scatter this step's key/value [T, Hkv, D] into the paged cache; slot -1 writes nothing."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    key_cache = kv_cache[0].view(num_blocks * block_size, *kv_cache.shape[3:])
-    value_cache = kv_cache[1].view(num_blocks * block_size, *kv_cache.shape[3:])
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    key_cache[slots] = key[valid].to(kv_cache.dtype)
-    value_cache[slots] = value[valid].to(kv_cache.dtype)
-
-
 class AttentionBackend(ABC):
     """One attention implementation; an instance serves one layer.
 
@@ -235,6 +221,8 @@ class AttentionBackend(ABC):
         self.write_kv(
             key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
         )
+        if metadata.num_reqs == 0:
+            return torch.empty_like(query)
         return self.attend(query, kv_cache, metadata, scale)
 
     def write_kv(
@@ -245,7 +233,7 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Scatter key/value [T, Hkv, D] into the cache at `slot_mapping` [T] (-1 = skip)."""
-        reshape_and_cache(key, value, kv_cache, slot_mapping)
+        reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
 
     @abstractmethod
     def attend(
@@ -255,7 +243,8 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of `query` over the cache (this step's K/V already written).
+        """Causal attention of `query` over the cache (this step's K/V already written); only
+        called with at least one request.
 
         Returns a new [num_tokens, num_heads, head_size] tensor (see `forward`).
         """
@@ -284,8 +273,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         output = torch.empty_like(query)
-        if metadata.num_reqs == 0:
-            return output
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if metadata.is_uniform_decode:
             output[:num_tokens] = self._decode(

@@ -58,8 +58,6 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         output = torch.empty_like(query)
-        if metadata.num_reqs == 0:
-            return output
         slots, valid = metadata.kv_gather
         packed_slots = slots[valid]  # request-major, position order: the varlen K/V layout
         flat_shape = (-1, self.num_kv_heads, self.head_size)

@@ -52,8 +52,6 @@ class StepBuffers:
         max_num_blocks_per_req: int,
         device: torch.device,
     ) -> None:
-        self.max_num_tokens = max_num_tokens
-        self.max_num_reqs = max_num_reqs
         self.input_ids = StagedBuffer((max_num_tokens,), torch.int64, device)
         self.positions = StagedBuffer((max_num_tokens,), torch.int64, device)
         self.slot_mapping = StagedBuffer((max_num_tokens,), torch.int64, device)
