@@ -11,8 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,24 +21,15 @@ import yaml
 
 from fleetserve.devcluster.binaries import find_binaries
 from fleetserve.devcluster.testing import DevCluster
+from tests.devcluster.helpers import poll
+
+__all__ = ["SA_USER", "OperatorEnv", "poll"]
 
 ROOT = Path(__file__).resolve().parents[2]
 SA_NAME = "fleetserve-operator"
 SA_NAMESPACE = "fleetserve-system"
 SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
-
-
-def poll(what: str, fn: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.2) -> Any:
-    """Call `fn` until it returns something truthy; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 @dataclass
