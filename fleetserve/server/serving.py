@@ -392,38 +392,33 @@ class _CompletionFormat:
         (the first prompt token has none: nothing precedes it)."""
         if prep.params.logprobs is None:
             return None
+        rows: list[tuple[int, dict[int, Logprob] | None]] = []
+        if with_prompt and self._echoes(prep):
+            prompt_entries = prep.prompt_logprobs.get(index // prep.params.n) or []
+            rows += [
+                (token_id, prompt_entries[pos] if pos < len(prompt_entries) else None)
+                for pos, token_id in enumerate(prep.prompt_of(index).token_ids)
+            ]
+        rows += zip(token_ids, entries, strict=False)
+        k = max(prep.params.logprobs, 0)
         result = CompletionLogprobs()
         offset = self._text_offsets.get(index, 0)
-        if with_prompt and self._echoes(prep):
-            prompt = prep.prompt_of(index)
-            prompt_entries = prep.prompt_logprobs.get(index // prep.params.n) or []
-            for pos, token_id in enumerate(prompt.token_ids):
-                entry = prompt_entries[pos] if pos < len(prompt_entries) else None
-                own = entry.get(token_id) if entry else None
-                token = str(self.tokenizer.decode([token_id]))
-                result.tokens.append(token)
-                result.token_logprobs.append(own.logprob if own else None)
-                result.text_offset.append(offset)
-                offset += len(token)
-                top = _top(entry, token_id, max(prep.params.logprobs, 0)) if entry else None
-                result.top_logprobs.append(
-                    {lp.decoded_token or "": lp.logprob for _, lp in top}
-                    if top is not None
-                    else None
-                )
-        for token_id, entry in zip(token_ids, entries, strict=False):
-            sampled = entry.get(token_id)
+        for token_id, entry in rows:
+            own = entry.get(token_id) if entry else None
             token = (
-                sampled.decoded_token
-                if sampled and sampled.decoded_token is not None
-                else (self.tokenizer.decode([token_id]))
+                own.decoded_token
+                if own and own.decoded_token is not None
+                else str(self.tokenizer.decode([token_id]))
             )
             result.tokens.append(token)
-            result.token_logprobs.append(sampled.logprob if sampled else None)
+            result.token_logprobs.append(own.logprob if own else None)
             result.text_offset.append(offset)
             offset += len(token)
-            top = _top(entry, token_id, max(prep.params.logprobs, 0))
-            result.top_logprobs.append({lp.decoded_token or "": lp.logprob for _, lp in top})
+            result.top_logprobs.append(
+                {lp.decoded_token or "": lp.logprob for _, lp in _top(entry, token_id, k)}
+                if entry is not None
+                else None
+            )
         self._text_offsets[index] = offset
         return result
 
