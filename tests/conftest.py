@@ -1,9 +1,11 @@
-"""Suite-wide pytest setup: marker auto-skips and the session's shared fixtures."""
+"""Suite-wide pytest setup: marker auto-skips, the session's shared fixtures, and under CI a
+session that fails when anything but a GPU test was skipped (a skip there hides a set-up gap)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,42 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+class _CISkipGuard:
+    """Under CI, any skip but a GPU test's fails the session, listing the skipped tests."""
+
+    def __init__(self) -> None:
+        self.skipped: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped and "gpu" not in report.keywords:
+            self.skipped.append(report.nodeid)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.skipped:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.skipped:
+            return
+        terminalreporter.section("CI: skipped tests that are not GPU-only", red=True)
+        terminalreporter.write_line(
+            f"{len(self.skipped)} test(s) skipped; under CI a skip fails the run, since it hides "
+            "a missing set-up step:",
+            red=True,
+        )
+        for nodeid in self.skipped:
+            terminalreporter.write_line(f"  {nodeid}", red=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _in_ci():
+        config.pluginmanager.register(_CISkipGuard(), "ci-skip-guard")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,8 +2,9 @@
 
 Enable with `pytest_plugins = ["fleetserve.devcluster.testing"]` in tests/conftest.py and mark
 tests `@pytest.mark.k8s`. The fixture starts one cluster per test session (4 GPU nodes × 8 GPUs,
-one CPU-only node, the local node) and skips its tests when the binaries are not built.
-Tests share the cluster: each must clean up what it creates (use its own namespace).
+one CPU-only node, the local node) and skips its tests when the binaries are not built (under
+CI the suite's conftest turns any such skip into a failed session). Tests share the cluster: each
+must clean up what it creates (use its own namespace).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import pytest
 from kubernetes import client
 
 from fleetserve.devcluster import kube
-from fleetserve.devcluster.binaries import find_binaries
+from fleetserve.devcluster.binaries import Binaries, find_binaries
 from fleetserve.devcluster.cluster import ClusterConfig, down, up
 from fleetserve.devcluster.nodes import NodeTopology
 from fleetserve.devcluster.pki import write_kubeconfig
 from fleetserve.devcluster.state import ClusterState
 
-__all__ = ["DevCluster", "dev_cluster"]
+__all__ = ["DevCluster", "dev_cluster", "require_binaries"]
 
 _START_KEY = pytest.StashKey[float]()
 
@@ -86,15 +87,20 @@ class DevCluster:
         ]
 
 
+def require_binaries() -> Binaries:
+    """The dev-cluster binaries, or a skip naming what is missing and how to build it."""
+    try:
+        return find_binaries()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture(scope="session")
 def dev_cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DevCluster]:
     """Start the session's dev cluster; skip when the binaries are missing."""
-    try:
-        find_binaries()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))  # names the missing binaries, the folder and the build command
+    require_binaries()
     d = tmp_path_factory.mktemp("dev-cluster")
     t0 = time.monotonic()
     topology = NodeTopology(gpu_nodes=4, gpus_per_node=8)

