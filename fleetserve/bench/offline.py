@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fleetserve.envs import read_env
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -107,7 +109,7 @@ def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -
 
 
 def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
-    python = args.vllm_python or os.environ.get("FLEETSERVE_VLLM_PYTHON")
+    python = args.vllm_python or read_env().vllm_python
     if not python or not Path(python).exists():
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetserve.envs import read_env
+
 __all__ = [
     "ETCD_VERSION",
     "K8S_VERSION",
@@ -37,7 +39,7 @@ def default_bin_dir() -> Path:
     explicit = os.environ.get("DEV_CLUSTER_BIN")
     if explicit:
         return Path(explicit)
-    root = Path(os.environ.get("FLEETSERVE_CACHE", Path.home() / ".cache" / "fleetserve"))
+    root = read_env().cache_root
     return root / "dev-cluster" / f"{K8S_VERSION}-{ETCD_VERSION}-{KWOK_VERSION}" / "bin"
 
 

