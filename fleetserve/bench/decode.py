@@ -132,7 +132,7 @@ def run_mode(
     params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
     for i in range(args.batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
-        core.add_request(f"r{i}", prompt, params, eos_token_id=None)
+        core.add_request(f"r{i}", prompt, params, eos_token_ids=())
     # Prefill (and the first token of every request) before timing: only decode steps count.
     started: set[str] = set()
     while len(started) < args.batch_size:

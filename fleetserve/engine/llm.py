@@ -9,11 +9,12 @@ from typing import Any, cast
 
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.core.engine_core import EngineCore, validate_prompt
+from fleetserve.engine.core.engine_core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.outputs import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.tokenizer import encode_prompt, eos_token_id_of, load_tokenizer
+from fleetserve.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from fleetserve.engine.validation import validate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class LLM:
             load_format=load_format,
         )
         self.tokenizer = load_tokenizer(model)
-        self.eos_token_id = eos_token_id_of(self.tokenizer, self.config.model.hf_config)
+        self.eos_token_ids = eos_token_ids(model, self.config.model.hf_config, self.tokenizer)
         self.engine_core = EngineCore(self.config)
         self._processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -169,7 +170,7 @@ class LLM:
                 child_id,
                 prompt_token_ids,
                 child,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 cache_salt=cache_salt,
             )

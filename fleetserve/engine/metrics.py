@@ -10,23 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from fleetserve.common import metric_names as names
+from fleetserve.common.metric_names import MetricSpec
 from fleetserve.engine.core.outputs import SchedulerStats
-
-TTFT_BUCKETS_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-ITL_BUCKETS_S = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-REQUEST_LATENCY_BUCKETS_S = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
 
 
 @dataclass
@@ -42,59 +32,33 @@ class EngineMetrics:
     """The `vllm:*` metrics of one served model, registered in `registry`."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        labels = ["model_name"]
         self.model_name = model_name
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry)
+        def make(spec: MetricSpec) -> Any:
+            labels = [names.MODEL_NAME_LABEL]
+            if spec.kind == "gauge":
+                metric: Any = Gauge(spec.name, spec.documentation, labels, registry=registry)
+            elif spec.kind == "counter":
+                # NOTE: prometheus_client appends `_total` to counter names itself.
+                metric = Counter(spec.name, spec.documentation, labels, registry=registry)
+            else:
+                metric = Histogram(
+                    spec.name, spec.documentation, labels, buckets=spec.buckets, registry=registry
+                )
+            return metric.labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
-
-        # NOTE: prometheus_client appends `_total` to counter names itself.
-        self.num_requests_running = gauge(
-            "vllm:num_requests_running", "Requests in the running batch."
-        ).labels(model_name)
-        self.num_requests_waiting = gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled."
-        ).labels(model_name)
-        self.kv_cache_usage_perc = gauge(
-            "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
-        ).labels(model_name)
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        ).labels(model_name)
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        ).labels(model_name)
-        self.num_preemptions = counter(
-            "vllm:num_preemptions", "Cumulative preemptions of running requests."
-        ).labels(model_name)
-        self.prompt_tokens = counter(
-            "vllm:prompt_tokens", "Prompt tokens of requests that produced a first token."
-        ).labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(
-            model_name
-        )
-        self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S
-        ).labels(model_name)
-        self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS_S
-        ).labels(model_name)
-        self.e2e_request_latency = histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Request latency from arrival to the last token.",
-            REQUEST_LATENCY_BUCKETS_S,
-        ).labels(model_name)
-        self.request_queue_time = histogram(
-            "vllm:request_queue_time_seconds",
-            "Time a request waited before it was first scheduled.",
-            REQUEST_LATENCY_BUCKETS_S,
-        ).labels(model_name)
+        self.num_requests_running: Gauge = make(names.NUM_REQUESTS_RUNNING)
+        self.num_requests_waiting: Gauge = make(names.NUM_REQUESTS_WAITING)
+        self.kv_cache_usage_perc: Gauge = make(names.KV_CACHE_USAGE)
+        self.prefix_cache_queries: Counter = make(names.PREFIX_CACHE_QUERIES)
+        self.prefix_cache_hits: Counter = make(names.PREFIX_CACHE_HITS)
+        self.num_preemptions: Counter = make(names.NUM_PREEMPTIONS)
+        self.prompt_tokens: Counter = make(names.PROMPT_TOKENS)
+        self.generation_tokens: Counter = make(names.GENERATION_TOKENS)
+        self.time_to_first_token: Histogram = make(names.TIME_TO_FIRST_TOKEN)
+        self.inter_token_latency: Histogram = make(names.INTER_TOKEN_LATENCY)
+        self.e2e_request_latency: Histogram = make(names.E2E_REQUEST_LATENCY)
+        self.request_queue_time: Histogram = make(names.REQUEST_QUEUE_TIME)
         self._totals = _Totals()
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from fleetserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from fleetserve.engine.core.kv_cache_utils import BlockHash
+    from fleetserve.common.block_hash import BlockHash
     from fleetserve.engine.core.outputs import LogprobsLists
 
 
@@ -61,7 +61,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         *,
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -69,7 +69,8 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
+        """Tokens that end the request (unless `ignore_eos`); see `tokenizer.eos_token_ids`."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,15 +18,30 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def eos_token_id_of(tokenizer: PreTrainedTokenizerBase, hf_config: dict[str, Any]) -> int | None:
-    """The id that ends generation: generation/model config first, then the tokenizer's."""
-    configured = hf_config.get("eos_token_id")
-    if isinstance(configured, list):
-        configured = configured[0] if configured else None
-    if isinstance(configured, int):
-        return configured
-    eos = tokenizer.eos_token_id
-    return int(eos) if eos is not None else None
+def eos_token_ids(
+    model_dir: str | Path,
+    hf_config: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[int, ...]:
+    """Every token id that ends generation (the one reader of EOS for the whole engine).
+
+    The first source that names any wins: generation_config.json's `eos_token_id`, then
+    config.json's (an int or a list in either), then the tokenizer's `eos_token_id`. Models
+    such as Llama 3 list several (end of turn and end of text); each of them stops a request.
+    """
+    candidates: list[Any] = []
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    candidates.append(hf_config.get("eos_token_id"))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    for value in candidates:
+        ids = value if isinstance(value, list) else [value]
+        found = tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+        if found:
+            return found
+    return ()
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

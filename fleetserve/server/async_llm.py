@@ -31,7 +31,6 @@ import zmq
 import zmq.asyncio
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.core.engine_core import validate_prompt
 from fleetserve.engine.core.engine_core_proc import (
     AbortMessage,
     AddRequestMessage,
@@ -48,7 +47,8 @@ from fleetserve.engine.metrics import EngineMetrics, StatsLogger
 from fleetserve.engine.output_processor import OutputKind, OutputProcessor
 from fleetserve.engine.outputs import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.tokenizer import eos_token_id_of, load_tokenizer
+from fleetserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from fleetserve.engine.validation import validate_prompt
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -99,7 +99,9 @@ class AsyncLLM:
         self.stats_logger = StatsLogger()
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
-        self.eos_token_id = eos_token_id_of(self.tokenizer, config.model.hf_config)
+        self.eos_token_ids = eos_token_ids(
+            config.model.model, config.model.hf_config, self.tokenizer
+        )
         self._processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -277,7 +279,7 @@ class AsyncLLM:
                     request_id=child_id,
                     prompt_token_ids=prompt_token_ids,
                     params=child_params.to_dict(),
-                    eos_token_id=self.eos_token_id,
+                    eos_token_ids=list(self.eos_token_ids),
                     arrival_time=arrival_time,
                     priority=priority,
                     cache_salt=cache_salt,

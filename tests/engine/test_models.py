@@ -10,8 +10,9 @@ import torch
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.layers.attention import build_attention_metadata
-from fleetserve.engine.models.loader import load_model, read_eos_token_ids
+from fleetserve.engine.models.loader import load_model
 from fleetserve.engine.models.registry import resolve_model_class
+from fleetserve.engine.tokenizer import eos_token_ids
 from tests.engine.tiny_models import make_tiny_model
 
 BLOCK_SIZE = 4
@@ -148,5 +149,5 @@ def test_unknown_architecture_lists_supported() -> None:
 
 
 def test_eos_ids_from_generation_config(tiny_llama_dir: Path) -> None:
-    assert read_eos_token_ids(tiny_llama_dir, {"eos_token_id": [7, 8]}) == [2]
-    assert read_eos_token_ids(tiny_llama_dir / "missing", {"eos_token_id": [7, 8]}) == [7, 8]
+    assert eos_token_ids(tiny_llama_dir, {"eos_token_id": [7, 8]}) == (2,)
+    assert eos_token_ids(tiny_llama_dir / "missing", {"eos_token_id": [7, 8]}) == (7, 8)

@@ -26,6 +26,7 @@ def make_metadata(
     outputs: list[list[int]] | None = None,
     prompts: list[list[int]] | None = None,
     seeds: dict[int, int] | None = None,
+    eos: tuple[int, ...] = (EOS,),
 ) -> SamplingMetadata:
     num_reqs = len(params)
     generators = {row: torch.Generator().manual_seed(seed) for row, seed in (seeds or {}).items()}
@@ -34,7 +35,7 @@ def make_metadata(
         prompt_token_ids=prompts or [[0]] * num_reqs,
         output_token_ids=outputs or [[] for _ in range(num_reqs)],
         generators=generators,
-        eos_token_ids=[EOS] * num_reqs,
+        eos_token_ids=[eos] * num_reqs,
         vocab_size=vocab_size,
         device=CPU,
     )
@@ -158,6 +159,13 @@ def test_min_tokens_blocks_eos_and_stop_ids_for_greedy() -> None:
     ignore_eos = make_metadata([sp(temperature=0.0, min_tokens=3, ignore_eos=True)])
     assert ignore_eos.min_tokens == {}
     assert Sampler()(logits, ignore_eos).sampled_token_ids.tolist() == [EOS]
+
+
+def test_min_tokens_blocks_every_eos_id() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 3.0, 4.0]])  # 7 best, then 6, then 3
+    both = make_metadata([sp(temperature=0.0, min_tokens=2)], eos=(6, 7))
+    assert both.min_tokens == {0: (2, {6, 7})}
+    assert Sampler()(logits, both).sampled_token_ids.tolist() == [3]
 
 
 def test_min_p_applies_after_temperature() -> None:

@@ -150,7 +150,7 @@ def _dummy_core_tokens(folder: Path, seed: int) -> list[int]:
         str(folder), dtype="float32", load_format="dummy", seed=seed, num_kv_blocks=16
     )
     core = EngineCore(config)
-    core.add_request("r", [5, 6, 7], GREEDY, eos_token_id=None)
+    core.add_request("r", [5, 6, 7], GREEDY, eos_token_ids=())
     tokens: list[int] = []
     while core.has_unfinished_requests():
         for out in core.step():

@@ -100,7 +100,7 @@ def loop_sockets() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], FakeC
 
 def _add(request_id: str, max_tokens: int) -> bytes:
     message: InputMessage = AddRequestMessage(
-        request_id=request_id, prompt_token_ids=[1, 2], eos_token_id=None, arrival_time=0.0,
+        request_id=request_id, prompt_token_ids=[1, 2], eos_token_ids=[], arrival_time=0.0,
         params=SamplingParams(max_tokens=max_tokens).to_dict(),
     )  # fmt: skip
     return msgspec.msgpack.encode(message)

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fleetserve.engine.core.kv_cache_utils import BlockHash
+from fleetserve.common.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from fleetserve.engine.request import Request

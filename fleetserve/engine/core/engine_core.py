@@ -50,18 +50,18 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a validated request (see `validate_prompt`)."""
+        """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`)."""
         self.scheduler.add_request(
             Request(
                 request_id,
                 prompt_token_ids,
                 params,
-                eos_token_id=eos_token_id,
+                eos_token_ids=eos_token_ids,
                 priority=priority,
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
@@ -100,29 +100,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def validate_prompt(
-    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
-) -> None:
-    """Reject a request before it reaches the engine, so it cannot disturb the others.
-
-    Raises:
-        ValueError: empty prompt, prompt not shorter than max_model_len, or ids out of the vocab.
-    """
-    if not prompt_token_ids:
-        raise ValueError("prompt must not be empty")
-    max_len = config.model.max_model_len
-    if len(prompt_token_ids) >= max_len:
-        raise ValueError(
-            f"prompt is {len(prompt_token_ids)} tokens long, but max_model_len is {max_len}: "
-            "the prompt must be shorter than max_model_len"
-        )
-    vocab = config.model.vocab_size
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model")
-    for token_id in (params.logit_bias or {}).keys() | set(params.allowed_token_ids or ()):
-        if not 0 <= token_id < vocab:
-            raise ValueError(
-                f"token id {token_id} in logit_bias/allowed_token_ids is not in [0, {vocab})"
-            )

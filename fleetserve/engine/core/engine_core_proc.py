@@ -43,7 +43,7 @@ class AddRequestMessage(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: dict[str, Any]
     """`SamplingParams.to_dict()`."""
-    eos_token_id: int | None
+    eos_token_ids: list[int]
     arrival_time: float
     """`time.monotonic()` in the API server (CLOCK_MONOTONIC is shared by the processes)."""
     priority: int = 0
@@ -176,7 +176,7 @@ class _EngineLoop:
                     message.request_id,
                     message.prompt_token_ids,
                     SamplingParams.from_dict(message.params),
-                    eos_token_id=message.eos_token_id,
+                    eos_token_ids=tuple(message.eos_token_ids),
                     priority=message.priority,
                     cache_salt=message.cache_salt,
                     arrival_time=message.arrival_time,

@@ -1,94 +1,28 @@
-"""Prefix-cache block hashing.
+"""The engine side of prefix-cache hashing: an incremental hasher for `Request`s.
 
-Only full blocks are hashed. Each hash covers its parent's hash, the block's token ids and optional
-extra keys, so one hash fingerprints the whole prefix up to and including its block: two requests
-share block i's hash only if they share every token before the end of block i (and the same extra
-keys). The longest-prefix lookup can therefore stop at the first missing hash.
-
-The hash is sha256 over a deterministic byte encoding, and the root parent (`NONE_HASH`) comes from
-a fixed seed. Nothing depends on `PYTHONHASHSEED` or on the process, so every engine process and
-every prefill/decode pod computes the same hashes for the same prompt: that is what lets a KV
-hand-off between pods, or a prefix-aware router, find the blocks.
+The hash itself (chained sha256 with a fixed seed, salt on block 0) is `fleetserve.common.block_hash`,
+shared with the router so that both compute the same hashes for the same prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NewType
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fleetserve.common.block_hash import BlockHash, hash_token_blocks
 
 if TYPE_CHECKING:
     from fleetserve.engine.request import Request
 
-BlockHash = NewType("BlockHash", bytes)
-"""sha256 digest of one full block (a distinct type so raw bytes are not passed by mistake)."""
-
-_NONE_HASH_SEED = b"fleetserve-none-hash"
-
-NONE_HASH: BlockHash = BlockHash(hashlib.sha256(_NONE_HASH_SEED).digest())
-"""Parent of the first block of every request; derived from a fixed seed so all processes agree."""
-
-
-def _encode_key(key: object, out: list[bytes]) -> None:
-    """Append a type-tagged, length-prefixed encoding of one extra key (injective per type).
-
-    Raises:
-        ValueError: for a key type without a stable encoding (it would break cross-process
-            agreement, e.g. an object whose repr contains its address).
-    """
-    if key is None:
-        out.append(b"N")
-    elif isinstance(key, bool):
-        out.append(b"T" if key else b"F")
-    elif isinstance(key, int):
-        text = str(key).encode()
-        out.append(b"i" + struct.pack("<I", len(text)) + text)
-    elif isinstance(key, str):
-        data = key.encode("utf-8")
-        out.append(b"s" + struct.pack("<I", len(data)) + data)
-    elif isinstance(key, bytes):
-        out.append(b"b" + struct.pack("<I", len(key)) + key)
-    elif isinstance(key, tuple | list):
-        out.append(b"t" + struct.pack("<I", len(key)))
-        for item in key:
-            _encode_key(item, out)
-    else:
-        raise ValueError(
-            f"extra_keys items must be None, bool, int, str, bytes or tuples of them, "
-            f"got {type(key).__name__}"
-        )
-
-
-def hash_block_tokens(
-    parent_block_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[object, ...] | None = None,
-) -> BlockHash:
-    """Hash one full block, chained on its parent.
-
-    Args:
-        parent_block_hash: hash of the previous block, or None for the first block (NONE_HASH).
-        token_ids: the block's token ids (non-negative, < 2**63).
-        extra_keys: what else distinguishes the block's KV (cache salt, LoRA name, ...), or None.
-
-    Returns:
-        The block's 32-byte sha256 digest.
-    """
-    parent = NONE_HASH if parent_block_hash is None else parent_block_hash
-    parts: list[bytes] = [parent, struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids)]
-    # NOTE: None and () encode differently on purpose; callers pass None for "no extra keys".
-    _encode_key(extra_keys, parts)
-    return BlockHash(hashlib.sha256(b"".join(parts)).digest())
+__all__ = ["get_request_block_hasher"]
 
 
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     """Return an incremental hasher for `Request(block_hasher=...)`.
 
     The hasher resumes after the blocks already in `request.block_hashes`, hashes only blocks that
-    are full, and returns the new hashes (empty when no block completed). The request's
-    `cache_salt` goes into the extra keys of block 0 only: the chain carries it into every later
-    hash, so different salts (tenants) never share a block.
+    are full, and returns the new hashes (empty when no block completed); see
+    `hash_token_blocks` for the salt rule.
 
     Raises:
         ValueError: if block_size is not positive.
@@ -97,17 +31,12 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
     def hasher(request: Request) -> list[BlockHash]:
-        token_ids = request.all_token_ids
-        start = len(request.block_hashes) * block_size
-        parent = request.block_hashes[-1] if request.block_hashes else None
-        new_hashes: list[BlockHash] = []
-        while start + block_size <= len(token_ids):
-            extra: tuple[object, ...] | None = None
-            if start == 0 and request.cache_salt is not None:
-                extra = ("salt", request.cache_salt)
-            parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
-            new_hashes.append(parent)
-            start += block_size
-        return new_hashes
+        return hash_token_blocks(
+            request.all_token_ids,
+            block_size,
+            cache_salt=request.cache_salt,
+            parent=request.block_hashes[-1] if request.block_hashes else None,
+            first_block=len(request.block_hashes),
+        )
 
     return hasher

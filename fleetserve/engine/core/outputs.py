@@ -28,6 +28,8 @@ class NewRequestData:
     """The request's whole block table."""
     num_computed_tokens: int
     """Tokens already in the KV cache (prefix hit or external load) before this step."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end the request (min_tokens blocks them until it is reached)."""
 
 
 @dataclass

@@ -302,6 +302,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
             self._num_tokens_sent[request.request_id] = request.num_tokens
@@ -384,7 +385,7 @@ class Scheduler:
         )
         if request.num_output_tokens >= params.min_tokens:
             last_token = request.output_token_ids[-1]
-            if not params.ignore_eos and last_token == request.eos_token_id:
+            if not params.ignore_eos and last_token in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
             if last_token in params.stop_token_ids:

@@ -62,7 +62,7 @@ def build_sampling_metadata(
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
     generators: dict[int, torch.Generator],
-    eos_token_ids: list[int | None],
+    eos_token_ids: list[tuple[int, ...]],
     vocab_size: int,
     device: torch.device,
 ) -> SamplingMetadata:
@@ -72,7 +72,7 @@ def build_sampling_metadata(
         params: one `SamplingParams` per row.
         prompt_token_ids / output_token_ids: each row's prompt and the tokens generated so far.
         generators: row → seeded generator, for rows whose request has a seed.
-        eos_token_ids: each row's EOS id (None when the model has none).
+        eos_token_ids: each row's EOS ids (empty when the model has none).
         vocab_size: width of the logits.
         device: where the tensors live (the logits' device).
 
@@ -164,7 +164,7 @@ def _allowed_token_ids_mask(
 
 
 def _min_tokens(
-    params: list[SamplingParams], eos_token_ids: list[int | None], vocab_size: int
+    params: list[SamplingParams], eos_token_ids: list[tuple[int, ...]], vocab_size: int
 ) -> dict[int, tuple[int, set[int]]]:
     result: dict[int, tuple[int, set[int]]] = {}
     for row, (p, eos) in enumerate(zip(params, eos_token_ids, strict=True)):
@@ -172,8 +172,8 @@ def _min_tokens(
             continue
         # NOTE: with ignore_eos the EOS token does not end the request, so it is not blocked.
         blocked = set(p.stop_token_ids)
-        if eos is not None and not p.ignore_eos:
-            blocked.add(eos)
+        if not p.ignore_eos:
+            blocked.update(eos)
         blocked = {token_id for token_id in blocked if token_id < vocab_size}
         if blocked:
             result[row] = (p.min_tokens, blocked)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -65,22 +64,6 @@ def iterate_weights(
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, f.get_tensor(name).to(dtype)
-
-
-def read_eos_token_ids(model_dir: str | Path, hf_config: dict[str, Any]) -> list[int]:
-    """EOS ids from generation_config.json (preferred) or config.json; an int or list in either."""
-    candidates: list[Any] = []
-    gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.is_file():
-        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
-    candidates.append(hf_config.get("eos_token_id"))
-    for value in candidates:
-        if value is None:
-            continue
-        ids = value if isinstance(value, list) else [value]
-        if ids:
-            return [int(i) for i in ids]
-    return []
 
 
 def load_model(config: EngineConfig) -> CausalLM:

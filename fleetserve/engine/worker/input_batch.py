@@ -30,6 +30,8 @@ class CachedRequestState:
     num_computed_tokens: int
     num_synced_tokens: int = 0
     """Tokens the scheduler had sent as of its last message (its `new_token_ids` follow these)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end the request (min_tokens blocks them until it is reached)."""
     num_prompt_logprobs: int = 0
     """Prompt positions whose next-token logprobs were reported (kept across preemption, so a
     recomputed prompt reports none twice)."""

@@ -45,7 +45,7 @@ from fleetserve.engine.layers.sampler import (
 )
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import head_size_of
-from fleetserve.engine.models.loader import load_model, read_eos_token_ids, torch_dtype
+from fleetserve.engine.models.loader import load_model, torch_dtype
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.step_buffers import StepBuffers
@@ -92,8 +92,6 @@ class ModelRunner:
         self.num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
         self.head_size = head_size_of(hf_config)
         self.vocab_size = config.model.vocab_size
-        eos_ids = read_eos_token_ids(config.model.model, hf_config)
-        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.max_num_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
@@ -359,6 +357,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             num_synced_tokens=num_tokens,
+            eos_token_ids=new.eos_token_ids,
             num_prompt_logprobs=num_prompt_logprobs,
         )
 
@@ -485,7 +484,7 @@ class ModelRunner:
             [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states],
             generators,
-            [self.eos_token_id] * len(states),
+            [s.eos_token_ids for s in states],
             self.vocab_size,
             self.device,
         )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from fleetserve.common.block_hash import BlockHash
 from fleetserve.engine.core.block_pool import (
     BlockHashToBlockMap,
     BlockPool,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
 )
-from fleetserve.engine.core.kv_cache_utils import BlockHash
 from tests.engine.core.conftest import make_request
 
 

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.engine.core.kv_cache_utils import (
-    NONE_HASH,
-    get_request_block_hasher,
-    hash_block_tokens,
-)
+from fleetserve.common.block_hash import NONE_HASH, hash_block_tokens, hash_token_blocks
+from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
 from tests.engine.core.conftest import make_request
 
 PROMPT = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + 2 tokens
@@ -100,3 +97,13 @@ def test_hashes_are_stable_across_processes() -> None:
     )
     local = make_request("y", PROMPT, cache_salt="s")
     assert result.stdout.strip() == ",".join(h.hex() for h in local.block_hashes)
+
+
+def test_the_router_side_hash_of_a_prompt_equals_the_engines() -> None:
+    # A prefix-aware router hashes the prompt alone with the shared function; the engine hashes
+    # the request incrementally as its tokens arrive. Both must agree block for block.
+    request = make_request("a", PROMPT[:20], cache_salt="tenant")
+    request.append_output_token_ids(PROMPT[20:40])
+    request.append_output_token_ids(PROMPT[40:])
+    assert request.block_hashes == hash_token_blocks(PROMPT, 16, cache_salt="tenant")
+    assert request.block_hashes != hash_token_blocks(PROMPT, 16)

@@ -285,18 +285,25 @@ def run(scheduler: Scheduler, request: Request, token_id: int = 7) -> list[Engin
 
 
 def test_eos_stops_unless_ignored() -> None:
-    results = run(make_scheduler(), make_request("r", [1, 2], eos_token_id=7))
+    results = run(make_scheduler(), make_request("r", [1, 2], eos_token_ids=(7,)))
     assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in results] == [
         ([7], "stop", None)
     ]
-    request = make_request("r", [1, 2], max_tokens=3, eos_token_id=7, ignore_eos=True)
+    request = make_request("r", [1, 2], max_tokens=3, eos_token_ids=(7,), ignore_eos=True)
     results = run(make_scheduler(), request)
     assert [o.finish_reason for o in results] == [None, None, "length"]
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
+def test_every_eos_id_stops() -> None:
+    # Llama 3 style: end of turn and end of text both end a request (not only the first id).
+    for token_id in (7, 9):
+        results = run(make_scheduler(), make_request("r", [1, 2], eos_token_ids=(7, 9)), token_id)
+        assert [(o.new_token_ids, o.finish_reason) for o in results] == [([token_id], "stop")]
+
+
 def test_min_tokens_delays_eos_and_stop_tokens() -> None:
-    request = make_request("r", [1, 2], eos_token_id=7, min_tokens=3)
+    request = make_request("r", [1, 2], eos_token_ids=(7,), min_tokens=3)
     results = run(make_scheduler(), request)
     assert [o.finish_reason for o in results] == [None, None, "stop"]
     request = make_request("r", [1, 2], max_tokens=2, stop_token_ids=[7], min_tokens=2)
@@ -306,7 +313,7 @@ def test_min_tokens_delays_eos_and_stop_tokens() -> None:
 def test_stop_token_sets_stop_reason_and_eos_wins_over_length() -> None:
     results = run(make_scheduler(), make_request("r", [1, 2], stop_token_ids=[7]))
     assert (results[-1].finish_reason, results[-1].stop_reason) == ("stop", 7)
-    request = make_request("r", [1, 2], max_tokens=1, eos_token_id=7)
+    request = make_request("r", [1, 2], max_tokens=1, eos_token_ids=(7,))
     assert run(make_scheduler(), request)[-1].finish_reason == "stop"
 
 

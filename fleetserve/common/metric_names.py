@@ -1,0 +1,119 @@
+"""The engine's Prometheus metrics, declared once: names, kinds, help texts and buckets.
+
+The engine registers exactly these (`fleetserve.engine.metrics`); the router and the operator's
+autoscaler read the same names from the engines' `/metrics`. The names are vLLM's, so Gateway API
+Inference Extension pickers, KEDA triggers and existing dashboards work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "E2E_REQUEST_LATENCY",
+    "ENGINE_METRICS",
+    "GENERATION_TOKENS",
+    "INTER_TOKEN_LATENCY",
+    "KV_CACHE_USAGE",
+    "MODEL_NAME_LABEL",
+    "NUM_PREEMPTIONS",
+    "NUM_REQUESTS_RUNNING",
+    "NUM_REQUESTS_WAITING",
+    "PREFIX_CACHE_HITS",
+    "PREFIX_CACHE_QUERIES",
+    "PROMPT_TOKENS",
+    "REQUEST_QUEUE_TIME",
+    "TIME_TO_FIRST_TOKEN",
+    "MetricSpec",
+]
+
+MODEL_NAME_LABEL = "model_name"
+"""The one label every engine metric carries (the served model name)."""
+
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric as registered (`name`) and as it appears in the exposition (`sample_name`)."""
+
+    name: str
+    kind: Literal["gauge", "counter", "histogram"]
+    documentation: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def sample_name(self) -> str:
+        """The sample's name in `/metrics` text: prometheus_client appends `_total` to counters
+        (histograms expose `_bucket`, `_sum` and `_count` under `name`)."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+
+NUM_REQUESTS_RUNNING = MetricSpec(
+    "vllm:num_requests_running", "gauge", "Requests in the running batch."
+)
+NUM_REQUESTS_WAITING = MetricSpec(
+    "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."
+)
+KV_CACHE_USAGE = MetricSpec(
+    "vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full)."
+)
+PREFIX_CACHE_QUERIES = MetricSpec(
+    "vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."
+)
+PREFIX_CACHE_HITS = MetricSpec(
+    "vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."
+)
+NUM_PREEMPTIONS = MetricSpec(
+    "vllm:num_preemptions", "counter", "Cumulative preemptions of running requests."
+)
+PROMPT_TOKENS = MetricSpec(
+    "vllm:prompt_tokens", "counter", "Prompt tokens of requests that produced a first token."
+)
+GENERATION_TOKENS = MetricSpec("vllm:generation_tokens", "counter", "Generated tokens.")
+TIME_TO_FIRST_TOKEN = MetricSpec(
+    "vllm:time_to_first_token_seconds", "histogram", "Time to first token.", TTFT_BUCKETS_S
+)
+INTER_TOKEN_LATENCY = MetricSpec(
+    "vllm:inter_token_latency_seconds", "histogram", "Time between output tokens.", ITL_BUCKETS_S
+)
+E2E_REQUEST_LATENCY = MetricSpec(
+    "vllm:e2e_request_latency_seconds",
+    "histogram",
+    "Request latency from arrival to the last token.",
+    REQUEST_LATENCY_BUCKETS_S,
+)
+REQUEST_QUEUE_TIME = MetricSpec(
+    "vllm:request_queue_time_seconds",
+    "histogram",
+    "Time a request waited before it was first scheduled.",
+    REQUEST_LATENCY_BUCKETS_S,
+)
+
+ENGINE_METRICS: tuple[MetricSpec, ...] = (
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    NUM_PREEMPTIONS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+    REQUEST_QUEUE_TIME,
+)
+"""Every metric the engine's API server exports, in registration order."""
