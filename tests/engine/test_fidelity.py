@@ -7,47 +7,14 @@ with shared prefixes — and every setting must reproduce transformers token for
 
 from __future__ import annotations
 
-import random
-from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from fleetserve import LLM, SamplingParams
-from tests.engine.tiny_models import make_tiny_model
+from tests.engine.tiny_models import hf_greedy, hf_model, make_prompts, make_tiny_model
 
 MAX_TOKENS = 12
-
-
-@cache
-def _hf_model(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Reference: one prompt at a time (no padding), greedy, stopping at EOS like we do."""
-    model = _hf_model(str(path))
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=model.config.eos_token_id,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-def make_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -72,7 +39,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_tiny_models_match_transformers(tiny_model: Path, setting: str) -> None:
-    vocab = int(_hf_model(str(tiny_model)).config.vocab_size)
+    vocab = int(hf_model(str(tiny_model)).config.vocab_size)
     prompts = make_prompts(vocab, LENGTHS, seed=1)
     expected = hf_greedy(tiny_model, prompts, MAX_TOKENS)
     llm = LLM(str(tiny_model), dtype="float32", max_model_len=256, **SETTINGS[setting])
@@ -83,7 +50,7 @@ def test_tiny_models_match_transformers(tiny_model: Path, setting: str) -> None:
 
 
 def test_prefix_caching_hits_and_keeps_outputs(tiny_model: Path) -> None:
-    vocab = int(_hf_model(str(tiny_model)).config.vocab_size)
+    vocab = int(hf_model(str(tiny_model)).config.vocab_size)
     shared = make_prompts(vocab, [48], seed=7)[0]
     prompts = [shared + tail for tail in make_prompts(vocab, [3, 9, 17, 1, 30, 5, 12, 2], seed=8)]
     expected = hf_greedy(tiny_model, prompts, MAX_TOKENS)

@@ -16,8 +16,7 @@ from fleetserve import LLM, SamplingParams
 from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists
 from fleetserve.engine.output_processor import OutputKind, OutputProcessor
 from fleetserve.engine.tokenizer import load_tokenizer
-from tests.engine.test_fidelity import _hf_model, make_prompts
-from tests.engine.tiny_models import make_tiny_model
+from tests.engine.tiny_models import hf_model, make_prompts, make_tiny_model
 
 K = 3
 
@@ -30,7 +29,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _hf_prompt_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
     """[len(prompt) - 1, vocab]: row p is the distribution of token p + 1."""
     with torch.inference_mode():
-        logits = _hf_model(str(path))(input_ids=torch.tensor([prompt])).logits[0]
+        logits = hf_model(str(path))(input_ids=torch.tensor([prompt])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)[:-1]
 
 

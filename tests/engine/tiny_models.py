@@ -2,11 +2,14 @@
 
 `make_tiny_model(tmp_path, "llama")` builds a transformers model from a small config with a fixed
 seed, saves it with `save_pretrained` (config.json + model.safetensors) next to a tiny byte-level
-tokenizer (every id in the vocabulary decodes to text) and returns the folder.
+tokenizer (every id in the vocabulary decodes to text) and returns the folder. `hf_greedy` and
+`hf_model` are the transformers references the fidelity tests compare with.
 """
 
 from __future__ import annotations
 
+import random
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +93,33 @@ def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides: Any) 
     model.save_pretrained(out)
     save_tiny_tokenizer(out, int(config.vocab_size))
     return out
+
+
+@cache
+def hf_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Reference: one prompt at a time (no padding), greedy, stopping at EOS like we do."""
+    model = hf_model(str(path))
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def make_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

@@ -11,7 +11,7 @@ from fleetserve.engine.core.block_pool import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
 )
-from tests.engine.core.conftest import make_request
+from tests.factories import make_request
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from tests.engine.core.conftest import make_request
+from tests.factories import make_request
 
 
 def make_manager(

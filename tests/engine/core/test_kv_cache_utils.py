@@ -12,7 +12,7 @@ import pytest
 
 from fleetserve.common.block_hash import NONE_HASH, hash_block_tokens, hash_token_blocks
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
-from tests.engine.core.conftest import make_request
+from tests.factories import make_request
 
 PROMPT = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + 2 tokens
 
@@ -82,7 +82,7 @@ def test_block_size_must_be_positive() -> None:
 
 def test_hashes_are_stable_across_processes() -> None:
     code = (
-        "from tests.engine.core.conftest import make_request\n"
+        "from tests.factories import make_request\n"
         "r = make_request('x', list(range(100, 150)), cache_salt='s')\n"
         "print(','.join(h.hex() for h in r.block_hashes))\n"
     )

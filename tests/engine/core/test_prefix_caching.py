@@ -5,7 +5,7 @@ from __future__ import annotations
 from fleetserve.engine.core.outputs import ModelRunnerOutput
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.request import Request
-from tests.engine.core.conftest import make_request, make_scheduler, runner_output, step
+from tests.factories import make_request, make_scheduler, runner_output, step
 
 PROMPT = list(range(100, 133))  # 33 tokens: 2 full blocks + 1
 

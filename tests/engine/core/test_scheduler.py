@@ -10,7 +10,7 @@ from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists, Mode
 from fleetserve.engine.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.request import Request, RequestStatus
-from tests.engine.core.conftest import make_request, make_scheduler, runner_output, step
+from tests.factories import make_request, make_scheduler, runner_output, step
 
 
 def tokens(start: int, n: int) -> list[int]:

@@ -1,4 +1,7 @@
-"""Factories for the scheduler and KV cache tests: tiny configs, hand-built runner outputs."""
+"""Shared test factories: requests, schedulers over tiny configs, hand-built runner outputs.
+
+Test modules import these from here (never from a conftest), so no test depends on another
+test folder's fixtures module."""
 
 from __future__ import annotations
 
