@@ -71,7 +71,7 @@ log "cache folder: $BIN"
 # ignores; so build from a throwaway module that replaces each staging module
 # with its published v0.<minor>.<patch> tag.
 if ! k8s_ok; then
-  log "building Kubernetes $K8S: $K8S_BINS (cold: 11-17 minutes on 2 cores)"
+  log "building Kubernetes $K8S: $K8S_BINS (cold: 6-17 minutes on 2 cores)"
   STG=v0.${K8S#v1.}
   MINOR=$(echo "$K8S" | cut -d. -f2)
   mkdir "$WORK/k8s" && cd "$WORK/k8s"

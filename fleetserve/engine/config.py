@@ -2,14 +2,15 @@
 
 Every field is validated in `__post_init__`; bad values raise `ValueError` naming the field and the
 allowed values. Values that depend on the model (e.g. `max_model_len` when left unset) are resolved by
-`EngineConfig.create()`, which reads the model's HF `config.json`, so the dataclasses themselves never
+`EngineArgs.create_engine_config()` (`fleetserve.engine.arg_utils`, the one definition of the
+engine's arguments), which reads the model's HF `config.json`, so the dataclasses themselves never
 hold "unset" placeholders once built.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,14 @@ _BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
 _POLICIES: tuple[str, ...] = ("fcfs", "priority")
 _CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
 _LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")
+_EPLB_POLICIES: tuple[str, ...] = ("global", "hierarchical")
+_KV_TRANSFER_CHOICES: dict[str, tuple[str, ...]] = {
+    "connector": ("tcp", "mooncake"),
+    "role": ("producer", "consumer", "both"),
+    "protocol": ("tcp", "rdma"),
+    "load_failure_policy": ("fail", "recompute"),
+    "transfer_mode": ("pull", "push"),
+}
 
 
 def _require(cond: bool, name: str, allowed: str, value: object) -> None:
@@ -148,27 +157,94 @@ class ParallelConfig:
     """Model-parallel topology of one engine (replica group)."""
 
     tensor_parallel_size: int = 1
+    """Ranks a layer's weights are split over (the fastest-varying rank dimension)."""
     pipeline_parallel_size: int = 1
+    """Stages the layers are split into."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks of one replica group (each schedules its own requests)."""
     enable_expert_parallel: bool = False
-    enable_eplb: bool = False
+    """MoE experts sharded over data × tensor ranks instead of tensor-split."""
 
     def __post_init__(self) -> None:
-        _require(
-            self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            ">= 1",
-            self.tensor_parallel_size,
-        )
-        _require(
-            self.pipeline_parallel_size >= 1,
-            "pipeline_parallel_size",
-            ">= 1",
-            self.pipeline_parallel_size,
-        )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            _require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
 
     @property
     def world_size(self) -> int:
+        """Ranks of one data-parallel rank's model: tensor × pipeline."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Ranks of the whole replica group: tensor × pipeline × data."""
+        return self.world_size * self.data_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class EPLBConfig:
+    """Expert-parallel load balancing (field names as the CRD's `eplb` block)."""
+
+    enabled: bool = False
+    redundant_experts: int = 0
+    """Extra physical expert slots, filled with replicas of the hottest experts."""
+    window_size: int = 1000
+    """Steps whose expert load a rebalance looks at."""
+    step_interval: int = 3000
+    """Steps between rebalances."""
+    policy: str = "global"
+    """'global' or 'hierarchical' (DeepSeek's EPLB placement)."""
+
+    def __post_init__(self) -> None:
+        _require(self.redundant_experts >= 0, "redundant_experts", ">= 0", self.redundant_experts)
+        _require(self.window_size >= 1, "window_size", ">= 1", self.window_size)
+        _require(self.step_interval >= 1, "step_interval", ">= 1", self.step_interval)
+        _require(self.policy in _EPLB_POLICIES, "policy", f"one of {_EPLB_POLICIES}", self.policy)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """The KV connector of a P/D engine (`--kv-transfer-config` JSON; keys as the CRD's
+    `kvTransfer` block in snake_case, plus the engine's role in the pair)."""
+
+    connector: str
+    """'tcp' or 'mooncake'."""
+    role: str
+    """'producer' (prefill), 'consumer' (decode) or 'both'."""
+    protocol: str = "tcp"
+    """Transport under the connector: 'tcp' or 'rdma'."""
+    lease_seconds: float = 30.0
+    """How long a producer keeps a finished prompt's blocks for its consumer."""
+    load_failure_policy: str = "fail"
+    """'fail' (end the request with an error) or 'recompute' (recompute the missing tokens)."""
+    transfer_mode: str = "pull"
+    """'pull' (the consumer reads) or 'push' (the producer writes as layers are computed)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in _KV_TRANSFER_CHOICES.items():
+            value = getattr(self, name)
+            _require(value in allowed, f"kv_transfer_config.{name}", f"one of {allowed}", value)
+        _require(
+            self.lease_seconds > 0,
+            "kv_transfer_config.lease_seconds",
+            "a positive number",
+            self.lease_seconds,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVTransferConfig:
+        """Parse the JSON object of `--kv-transfer-config`.
+
+        Raises:
+            ValueError: an unknown or missing key, or a bad value (each named).
+        """
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"kv_transfer_config keys must be among {known}, got {unknown}")
+        for required in ("connector", "role"):
+            if required not in data:
+                raise ValueError(f"kv_transfer_config.{required} is required")
+        return cls(**data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +252,12 @@ class DeviceConfig:
     """Where the model runs and which attention backend it uses."""
 
     device: str = "cpu"
-    """'cpu' or 'cuda' (resolved from 'auto' by `EngineConfig.create`)."""
+    """'cpu' or 'cuda' (resolved from 'auto' by `EngineArgs.create_engine_config`)."""
     attention_backend: str = "auto"
     """'auto', 'torch', 'triton' or 'flash_attn'."""
     custom_ops: str = "torch"
     """Implementation of RMSNorm, rotary and SiLU-and-mul: 'torch' (eager ops) or 'triton' (the
-    fused kernels of `fleetserve.kernels`); `EngineConfig.create` resolves 'auto' to triton on
+    fused kernels of `fleetserve.kernels`); `EngineArgs` resolves 'auto' to triton on
     CUDA and torch on the CPU."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (every step runs eagerly); only meaningful on CUDA."""
@@ -211,101 +287,22 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
-    kv_transfer: dict[str, Any] | None = None
-    """KV connector settings (JSON from --kv-transfer-config); None = no connector."""
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
+    kv_transfer: KVTransferConfig | None = None
+    """The KV connector of a P/D engine; None = no connector (a colocated engine)."""
 
     @classmethod
-    def create(
-        cls,
-        model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        full_sequence_must_fit: bool = False,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        enable_eplb: bool = False,
-        kv_transfer_config: dict[str, Any] | None = None,
-        gpu_memory_utilization: float = 0.9,
-        custom_ops: str = "auto",
-        enforce_eager: bool = False,
-        load_format: str = "safetensors",
-    ) -> EngineConfig:
-        """Resolve 'auto' values against the model folder and the machine, then validate."""
-        hf_config = load_hf_config(model)
-        _require(dtype in _DTYPES, "dtype", f"one of {_DTYPES}", dtype)
-        _require(device in _DEVICES, "device", f"one of {_DEVICES}", device)
-        _require(custom_ops in _CUSTOM_OPS, "custom_ops", f"one of {_CUSTOM_OPS}", custom_ops)
-        resolved_device = _resolve_device(device)
-        if custom_ops == "auto":
-            custom_ops = "triton" if resolved_device == "cuda" else "torch"
-        resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
-        model_limit = int(hf_config.get("max_position_embeddings", 2048))
-        if max_model_len is None:
-            max_model_len = model_limit
-        elif max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len must be <= the model's max_position_embeddings ({model_limit}), "
-                f"got {max_model_len}"
-            )
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-            # NOTE: the multi-rank executor is not built yet; refuse rather than run wrong.
-            raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size must be 1 in this build, got "
-                f"{tensor_parallel_size} and {pipeline_parallel_size}"
-            )
-        if not enable_chunked_prefill:
-            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        return cls(
-            model=ModelConfig(
-                model=model,
-                dtype=resolved_dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                load_format=load_format,
-                hf_config=hf_config,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                policy=scheduling_policy,
-                full_sequence_must_fit=full_sequence_must_fit,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size,
-                enable_expert_parallel=enable_expert_parallel,
-                enable_eplb=enable_eplb,
-            ),
-            device=DeviceConfig(
-                device=resolved_device,
-                attention_backend=attention_backend,
-                custom_ops=custom_ops,
-                enforce_eager=enforce_eager,
-            ),
-            kv_transfer=kv_transfer_config,
-        )
+    def create(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """`EngineArgs(model=model, **kwargs).create_engine_config()` (the keywords are the
+        `EngineArgs` fields; unknown ones raise ValueError)."""
+        from fleetserve.engine.arg_utils import EngineArgs
+
+        return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+
+
+def require_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raises ValueError naming `name` unless `value` is one of `allowed`."""
+    _require(value in allowed, name, f"one of {allowed}", value)
 
 
 def load_hf_config(model: str) -> dict[str, Any]:
@@ -319,7 +316,8 @@ def load_hf_config(model: str) -> dict[str, Any]:
     return data
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """'auto' → 'cuda' when torch sees a GPU, else 'cpu'."""
     if device != "auto":
         return device
     import torch
@@ -327,7 +325,8 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> DType:
+def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> DType:
+    """'auto' → float32 on the CPU, the checkpoint's bf16/fp16 on CUDA."""
     if dtype != "auto":
         return dtype  # type: ignore[return-value]
     if device == "cpu":

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import logging
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.chat import apply_chat_template
-from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.engine_core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.outputs import RequestOutput
@@ -25,69 +28,17 @@ PromptType = str | Mapping[str, Any]
 class LLM:
     """Generate text from a Hugging Face model folder with continuous batching.
 
-    Args mirror vLLM's `LLM` (see ARCHITECTURE.md §3); `model=None` uses the bundled
-    SmolLM2-135M-Instruct. Extra scheduler knobs: `long_prefill_token_threshold`,
-    `scheduling_policy` ('fcfs' | 'priority') and `full_sequence_must_fit`.
+    The keywords are the fields of `EngineArgs` (vLLM's names: `dtype`, `block_size`,
+    `max_num_seqs`, `enable_prefix_caching`, ...; `inspect.signature(LLM)` lists them), the same
+    options `fleetserve serve` takes as flags; `model=None` uses the bundled SmolLM2-135M-Instruct.
+
+    Raises:
+        ValueError: an unknown keyword, a bad value, or an option this build does not implement.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        enable_eplb: bool = False,
-        kv_transfer_config: dict[str, Any] | None = None,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        full_sequence_must_fit: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        custom_ops: str = "auto",
-        enforce_eager: bool = False,
-        load_format: str = "safetensors",
-    ) -> None:
-        if model is None:
-            from fleetserve.engine.models.bundled import bundled_model_path
-
-            model = str(bundled_model_path())
-        self.config = EngineConfig.create(
-            model,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            enable_eplb=enable_eplb,
-            kv_transfer_config=kv_transfer_config,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy,
-            full_sequence_must_fit=full_sequence_must_fit,
-            gpu_memory_utilization=gpu_memory_utilization,
-            custom_ops=custom_ops,
-            enforce_eager=enforce_eager,
-            load_format=load_format,
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+        model = self.config.model.model
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model, self.config.model.hf_config, self.tokenizer)
         self.engine_core = EngineCore(self.config)
@@ -217,6 +168,24 @@ class LLM:
                 if output.request_id in wanted:
                     finished[output.request_id] = output
         return [finished[rid] for rid in request_ids]
+
+
+def _signature_from_engine_args() -> inspect.Signature:
+    """`LLM(model=None, *, <every EngineArgs field>)`, for help() and IDEs (the constructor
+    itself takes **kwargs and checks them against the same fields)."""
+    hints = typing.get_type_hints(EngineArgs)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(EngineArgs):
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if f.name == "model"
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature_from_engine_args()  # type: ignore[attr-defined]
 
 
 def _broadcast_params(

@@ -1,8 +1,10 @@
 """The engine-side request and its state machine.
 
     WAITING ──schedule──► RUNNING ──(eos | stop token | max_tokens | max_model_len)──► FINISHED_*
-       ▲                    │
-       └──── PREEMPTED ◄────┘  (blocks freed, num_computed_tokens reset; resumes by recompute)
+     │  ▲                   │
+     │  └─── PREEMPTED ◄────┘  (blocks freed, num_computed_tokens reset; resumes by recompute)
+     └──► WAITING_FOR_REMOTE_KVS ──(load done or failed)──► WAITING
+          (blocks allocated and fenced while a KV connector loads them; other requests run)
 
 Any live state can go to FINISHED_ABORTED. The scheduler owns the transitions; the request only
 keeps the token lists and counters the scheduler needs (`num_computed_tokens` catching up with
@@ -23,18 +25,21 @@ if TYPE_CHECKING:
     from fleetserve.engine.core.outputs import LogprobsLists
 
 
-class RequestStatus(enum.IntEnum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Blocks allocated; a KV connector is loading the prompt's KV from a remote engine."""
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        # NOTE: an explicit set, not an ordering: a status added later cannot become "finished"
+        # by where it is declared.
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,11 +1,17 @@
-"""`fleetserve serve MODEL`: engine flags (the `LLM` keywords with dashes) plus server flags."""
+"""`fleetserve serve MODEL`: the engine flags (generated from `EngineArgs`, the same names as the
+`LLM` keywords with dashes) plus the server's own flags."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleetserve.engine.arg_utils import EngineArgs
+
+if TYPE_CHECKING:
+    from fleetserve.server.app import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,39 +27,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", nargs="?", default=None, help="HF model folder (default: bundled SmolLM2)"
-    )
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    engine.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    engine.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-    )
-    engine.add_argument("--attention-backend", default="auto",
-                        help="auto | torch | triton | flash_attn")  # fmt: skip
-    engine.add_argument("--custom-ops", default="auto",
-                        help="auto | torch | triton (RMSNorm, rotary, SiLU kernels)")  # fmt: skip
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="never capture CUDA graphs")  # fmt: skip
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--load-format", default="safetensors",
-                        help="safetensors | dummy (seeded random weights)")  # fmt: skip
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
-    engine.add_argument("--pipeline-parallel-size", type=int, default=1)
-    engine.add_argument("--enable-expert-parallel", action="store_true")
-    engine.add_argument("--enable-eplb", action="store_true")
-    engine.add_argument("--kv-transfer-config", type=_json_object, default=None,
-                        help="KV connector settings as a JSON object")  # fmt: skip
+    """The engine flags (generated from `EngineArgs`), then the server's own."""
+    EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -67,54 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between stats log lines (0 = off)")  # fmt: skip
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--kv-transfer-config must be a JSON object")
-    return value
-
-
-def build_server_config(args: argparse.Namespace) -> Any:
+def build_server_config(args: argparse.Namespace) -> ServerConfig:
     """Parsed flags → `ServerConfig` (raises ValueError naming a bad flag value)."""
-    from pathlib import Path
-
-    from fleetserve.engine.config import EngineConfig
     from fleetserve.server.app import ServerConfig
 
-    model = args.model
-    if model is None:
-        from fleetserve.engine.models.bundled import bundled_model_path
-
-        model = str(bundled_model_path())
-    engine = EngineConfig.create(
-        model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        attention_backend=args.attention_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        enable_eplb=args.enable_eplb,
-        kv_transfer_config=args.kv_transfer_config,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        custom_ops=args.custom_ops,
-        enforce_eager=args.enforce_eager,
-        load_format=args.load_format,
-    )
+    engine = EngineArgs.from_cli_args(args).create_engine_config()
     return ServerConfig(
         engine=engine,
-        served_model_name=args.served_model_name or Path(model).name,
+        served_model_name=args.served_model_name or Path(engine.model.model).name,
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         stats_log_interval_s=args.stats_log_interval,

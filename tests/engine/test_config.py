@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fleetserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from fleetserve.envs import Env, read_env
 
 
 @pytest.fixture
@@ -50,7 +54,8 @@ def test_configs_are_frozen(model_dir: Path) -> None:
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"scheduling_policy": "lifo"}, "policy"),
         ({"attention_backend": "magic"}, "attention_backend"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"custom_ops": "cuda"}, "custom_ops"),
+        ({"eplb_policy": "random"}, "eplb_policy"),
     ],
 )
 def test_bad_values_name_the_field(model_dir: Path, kwargs: dict[str, object], field: str) -> None:
@@ -67,3 +72,73 @@ def test_chunked_prefill_off_needs_room_for_a_whole_prompt() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
     assert CacheConfig().block_size == 16
+
+
+# -- EngineArgs: the one definition, honest about what is not built -------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"data_parallel_size": 2}, "data_parallel_size"),
+        ({"enable_expert_parallel": True}, "enable_expert_parallel"),
+        ({"enable_eplb": True}, "enable_eplb"),
+        ({"kv_transfer_config": {"connector": "tcp", "role": "consumer"}}, "kv_transfer_config"),
+    ],
+)
+def test_unimplemented_options_are_refused_by_name(
+    model_dir: Path, kwargs: dict[str, Any], name: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}=.*does not implement yet \(issue 1\d\)"):
+        EngineArgs(model=str(model_dir), device="cpu", **kwargs).create_engine_config()
+
+
+def test_eplb_settings_need_eplb(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="eplb_window_size is an EPLB setting"):
+        EngineArgs(model=str(model_dir), device="cpu", eplb_window_size=5).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"connector": "tcp", "role": "producer", "lease": 3}, r"keys must be among .*'lease'"),
+        ({"role": "producer"}, r"kv_transfer_config\.connector is required"),
+        ({"connector": "nixl", "role": "producer"}, r"kv_transfer_config\.connector must be"),
+        ({"connector": "tcp", "role": "boss"}, r"kv_transfer_config\.role must be one of"),
+        ({"connector": "tcp", "role": "both", "lease_seconds": 0}, "lease_seconds"),
+    ],
+)
+def test_kv_transfer_config_is_parsed_before_it_is_refused(
+    model_dir: Path, value: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(model_dir), kv_transfer_config=value).create_engine_config()
+    assert KVTransferConfig.from_dict({"connector": "mooncake", "role": "both"}).lease_seconds == 30
+
+
+def test_unknown_keyword_lists_the_known_ones(model_dir: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown engine argument\(s\) \['max_seqs'\].*max_num_seqs"
+    ):
+        EngineConfig.create(str(model_dir), max_seqs=3)
+
+
+def test_the_pod_environment_must_match_the_parallel_sizes(model_dir: Path) -> None:
+    args = EngineArgs(model=str(model_dir), device="cpu")
+    assert args.create_engine_config(Env(world_size=1, rank=0)).parallel.world_size == 1
+    with pytest.raises(ValueError, match=r"FLEETSERVE_WORLD_SIZE=2 does not match"):
+        args.create_engine_config(Env(world_size=2, rank=0))
+    with pytest.raises(ValueError, match=r"FLEETSERVE_RANK=1 must be < the world size 1"):
+        args.create_engine_config(Env(world_size=1, rank=1))
+    with pytest.raises(ValueError, match=r"FLEETSERVE_WORLD_SIZE must be int, got 'two'"):
+        read_env({"FLEETSERVE_WORLD_SIZE": "two"})
+
+
+def test_llm_signature_lists_every_engine_argument() -> None:
+    from fleetserve import LLM
+
+    params = inspect.signature(LLM).parameters
+    assert list(params) == EngineArgs.names()
+    assert params["max_num_seqs"].default == 256

@@ -21,8 +21,8 @@ def test_engine_and_server_flags_reach_the_config() -> None:
     model = str(bundled_model_path())
     args = _parse(
         model, "--max-model-len", "256", "--block-size", "8", "--max-num-seqs", "3",
-        "--no-enable-prefix-caching", "--kv-transfer-config", '{"connector": "tcp"}',
-        "--served-model-name", "smol", "--api-key", "k", "--max-waiting-requests", "5",
+        "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+        "--long-prefill-token-threshold", "32", "--full-sequence-must-fit", "--served-model-name", "smol", "--api-key", "k", "--max-waiting-requests", "5",
         "--dtype", "float32", "--device", "cpu",
     )  # fmt: skip
     config = build_server_config(args)
@@ -30,7 +30,10 @@ def test_engine_and_server_flags_reach_the_config() -> None:
     assert config.engine.cache.block_size == 8
     assert not config.engine.cache.enable_prefix_caching
     assert config.engine.scheduler.max_num_seqs == 3
-    assert config.engine.kv_transfer == {"connector": "tcp"}
+    assert config.engine.scheduler.policy == "priority"
+    assert config.engine.scheduler.long_prefill_token_threshold == 32
+    assert config.engine.scheduler.full_sequence_must_fit
+    assert config.engine.kv_transfer is None
     assert (config.served_model_name, config.api_key, config.max_waiting_requests) == (
         "smol", "k", 5,
     )  # fmt: skip
@@ -39,6 +42,24 @@ def test_engine_and_server_flags_reach_the_config() -> None:
 def test_bad_flags_are_refused() -> None:
     with pytest.raises(SystemExit):
         _parse("m", "--kv-transfer-config", "[1, 2]")
+    with pytest.raises(SystemExit):
+        _parse("m", "--dtype", "int4")
     args = _parse("/nonexistent/model")
     with pytest.raises(ValueError, match="model must be a Hugging Face model folder"):
         build_server_config(args)
+
+
+def test_unimplemented_flags_are_refused_by_name() -> None:
+    from fleetserve.engine.models.bundled import bundled_model_path
+
+    model = str(bundled_model_path())
+    kv = '{"connector": "tcp", "role": "producer"}'
+    for flags, name in (
+        (["--kv-transfer-config", kv], "kv_transfer_config"),
+        (["--enable-eplb"], "enable_eplb"),
+        (["--enable-expert-parallel"], "enable_expert_parallel"),
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
+        (["--data-parallel-size", "2"], "data_parallel_size"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{name}=.*not implement"):
+            build_server_config(_parse(model, *flags))

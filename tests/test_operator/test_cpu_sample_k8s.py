@@ -44,8 +44,8 @@ def test_cpu_sample_runs_real_engines(operator_env: OperatorEnv) -> None:
         poll("Ready from the engines' readiness probes", ready, timeout_s=240, interval_s=1)
         pods = env.get("pod", ns, selector=f"fleetserve.io/deployment={name},fleetserve.io/group")
         assert sorted(p["metadata"]["name"] for p in pods["items"]) == [
-            f"{name}-decode-0-0",
-            f"{name}-prefill-0-0",
+            f"{name}-unified-0-0",
+            f"{name}-unified-1-0",
         ]
         for pod in pods["items"]:
             assert pod["spec"]["nodeName"] == env.dc.local_node

@@ -10,8 +10,8 @@ requests the runner already holds are sent as deltas in `CachedRequestData`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.sampling_params import SamplingParams
 
 
@@ -63,7 +63,8 @@ class SchedulerOutput:
     """Requests preempted this step: the runner drops them from the batch (they return as new)."""
     new_block_ids_to_zero: list[int] = field(default_factory=list)
     """Freshly allocated blocks to zero before use (stale NaNs would poison attention)."""
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's instructions to the workers this step (see `kv_transfer.base`)."""
 
     @property
     def is_empty(self) -> bool:

@@ -35,6 +35,7 @@ from fleetserve.engine.core.outputs import (
     concat_logprobs_rows,
 )
 from fleetserve.engine.core.request_queue import SchedulingPolicy, create_request_queue
+from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
 from fleetserve.engine.request import Request, RequestStatus
 
 
@@ -48,12 +49,18 @@ class Scheduler:
         scheduler_config: budgets, policy and admission options.
         cache_config: block size, prefix caching and the free-block watermark.
         num_kv_blocks: KV blocks available (including the null block 0).
+        connector: the scheduler role of the KV connector (`NoKVConnector` when colocated).
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.connector = connector if connector is not None else NoKVConnector()
         self.block_size = cache_config.block_size
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache_manager = KVCacheManager(
@@ -207,10 +214,16 @@ class Scheduler:
         """Move WAITING/PREEMPTED requests into RUNNING while they fit; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_hit = KVCacheBlocks(), 0
+            computed_blocks, num_hit, num_external = KVCacheBlocks(), 0, 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit
+                )
+                # NOTE: the asynchronous load path (WAITING_FOR_REMOTE_KVS) comes with the first
+                # real connector (issue 14); the no-op connector never asks for it.
+                assert not load_async, "asynchronous KV loads are not supported yet"
+            num_computed = request.num_computed_tokens + num_hit + num_external
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -224,11 +237,15 @@ class Scheduler:
                 num_new,
                 num_new_computed_tokens=num_hit,
                 new_computed_blocks=computed_blocks,
+                num_external_computed_tokens=num_external,
                 full_sequence_must_fit=self.config.full_sequence_must_fit,
                 watermark_blocks=watermark,
             )
             if new_blocks is None:
                 break
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
+            )
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -315,7 +332,7 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             self._num_tokens_sent[request.request_id] = request.num_tokens
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -324,6 +341,8 @@ class Scheduler:
             preempted_req_ids={request.request_id for request in preempted},
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
         )
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
 
     # -- update ------------------------------------------------------------------------------
 
@@ -399,6 +418,11 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"freeing unfinished request {request.request_id}"
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        delay_free, _ = self.connector.request_finished(request, block_ids)
+        # NOTE: deferred frees (a producer's blocks held for its consumer) come with the first
+        # real connector (issue 14); the no-op connector never holds blocks.
+        assert not delay_free, "connector-held blocks are not supported yet"
         self.kv_cache_manager.free(request)
         self._num_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]

@@ -1,0 +1,279 @@
+"""`EngineArgs`: the one definition of the engine's arguments.
+
+Every field is one argument: the `LLM(**kwargs)` keyword of the same name, the `fleetserve serve`
+flag with dashes (`--max-num-seqs`), and what the operator renders into engine pods (a test parses
+every rendered flag). `add_cli_args` generates the flags from the fields (type, default, choices
+and help from the field's metadata); `create_engine_config` resolves the values against the model
+folder and the machine into the frozen `EngineConfig`, refusing, with a message naming the option,
+every option whose feature this build does not implement yet.
+
+Adding a knob means adding one field here (and reading it in `create_engine_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from fleetserve.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    EPLBConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_hf_config,
+    require_choice,
+    resolve_device,
+    resolve_dtype,
+)
+from fleetserve.envs import Env, env_name, read_env
+
+__all__ = ["EngineArgs"]
+
+
+def _arg(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments with their defaults (vLLM's names where vLLM has the option)."""
+
+    model: str | None = _arg(None, "HF model folder (default: the bundled SmolLM2-135M-Instruct)")
+    dtype: str = _arg("auto", "weights, activations and KV cache",
+                      choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    device: str = _arg("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    seed: int = _arg(0, "seed of requests without their own")
+    load_format: str = _arg("safetensors", "safetensors, or dummy (seeded random weights)",
+                            choices=("safetensors", "dummy"))  # fmt: skip
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
+    block_size: int = _arg(16, "tokens per KV block (a power of two up to 128)")
+    num_kv_blocks: int | None = _arg(None, "KV blocks incl. the null block (default: memory)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of earlier identical prefixes")
+    max_num_seqs: int = _arg(256, "most requests running at once")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one step")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    long_prefill_token_threshold: int = _arg(0, "cap on one prompt's chunk per step (0 = off)")
+    scheduling_policy: str = _arg("fcfs", "queue order and preemption victim",
+                                  choices=("fcfs", "priority"))  # fmt: skip
+    full_sequence_must_fit: bool = _arg(False, "admit only when prompt + max_tokens fit")
+    attention_backend: str = _arg("auto", "attention implementation",
+                                  choices=("auto", "torch", "triton", "flash_attn"))  # fmt: skip
+    custom_ops: str = _arg("auto", "RMSNorm, rotary and SiLU kernels (auto: triton on CUDA)",
+                           choices=("auto", "torch", "triton"))  # fmt: skip
+    enforce_eager: bool = _arg(False, "never capture CUDA graphs")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
+    pipeline_parallel_size: int = _arg(1, "pipeline stages")
+    data_parallel_size: int = _arg(1, "data-parallel ranks of one replica group")
+    enable_expert_parallel: bool = _arg(False, "shard MoE experts over data x tensor ranks")
+    enable_eplb: bool = _arg(False, "rebalance MoE experts from measured load (EPLB)")
+    num_redundant_experts: int = _arg(0, "EPLB: extra expert replicas")
+    eplb_window_size: int = _arg(1000, "EPLB: steps of load kept for a rebalance")
+    eplb_step_interval: int = _arg(3000, "EPLB: steps between rebalances")
+    eplb_policy: str = _arg("global", "EPLB: placement policy", choices=("global", "hierarchical"))
+    kv_transfer_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None, 'KV connector settings, JSON: {"connector": "tcp", "role": "producer", ...}'
+    )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The argument names (the `LLM` keywords), in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keywords (the `LLM` constructor's).
+
+        Raises:
+            ValueError: an unknown keyword (the message lists the known ones).
+        """
+        unknown = sorted(set(kwargs) - set(cls.names()))
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {unknown}; the engine takes {cls.names()}"
+            )
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (`--max-num-seqs`), `model` as the optional positional."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            help_text, choices = (
+                f.metadata["help"] + " (default: %(default)s)",
+                f.metadata["choices"],
+            )
+            if f.name == "model":
+                group.add_argument("model", nargs="?", default=None, help=help_text)
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=f.default, help=help_text)  # fmt: skip
+                continue
+            parse: Any = _json_object(flag) if kind is dict else kind
+            default = f.default if f.default is not MISSING else None
+            group.add_argument(flag, type=parse, default=default, choices=choices, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The fields' values from parsed flags (other attributes are ignored)."""
+        return cls(**{name: getattr(namespace, name) for name in cls.names()})
+
+    def create_engine_config(self, env: Env | None = None) -> EngineConfig:
+        """Resolve against the model folder, the machine and the pod's environment.
+
+        'auto' values are resolved here (device, dtype, custom ops, max_model_len), so the frozen
+        config holds only concrete values.
+
+        Raises:
+            ValueError: a bad value, a feature this build does not implement, or a pod
+                environment that contradicts the arguments (each message names the option).
+        """
+        _refuse_unimplemented(self)
+        _check_group_env(self, read_env() if env is None else env)
+        model = self.model
+        if model is None:
+            from fleetserve.engine.models.bundled import bundled_model_path
+
+            model = str(bundled_model_path())
+        hf_config = load_hf_config(model)
+        for f in fields(self):
+            if f.metadata["choices"] is not None:
+                require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
+        device = resolve_device(self.device)
+        custom_ops = self.custom_ops
+        if custom_ops == "auto":
+            custom_ops = "triton" if device == "cuda" else "torch"
+        model_limit = int(hf_config.get("max_position_embeddings", 2048))
+        max_model_len = model_limit if self.max_model_len is None else self.max_model_len
+        if max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({model_limit}), "
+                f"got {max_model_len}"
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=resolve_dtype(self.dtype, hf_config, device),
+                max_model_len=max_model_len,
+                seed=self.seed,
+                load_format=self.load_format,
+                hf_config=hf_config,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+                full_sequence_must_fit=self.full_sequence_must_fit,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+            ),
+            device=DeviceConfig(
+                device=device,
+                attention_backend=self.attention_backend,
+                custom_ops=custom_ops,
+                enforce_eager=self.enforce_eager,
+            ),
+            eplb=EPLBConfig(
+                enabled=self.enable_eplb,
+                redundant_experts=self.num_redundant_experts,
+                window_size=self.eplb_window_size,
+                step_interval=self.eplb_step_interval,
+                policy=self.eplb_policy,
+            ),
+            kv_transfer=(
+                None
+                if self.kv_transfer_config is None
+                else KVTransferConfig.from_dict(self.kv_transfer_config)
+            ),
+        )
+
+
+# NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
+# when the option counts as "asked for". Lift an entry when its issue lands.
+_UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
+    ("tensor_parallel_size", "tensor parallelism (the multi-rank executor)", "issue 16"),
+    ("pipeline_parallel_size", "pipeline parallelism (the multi-rank executor)", "issue 16"),
+    ("kv_transfer_config", "KV-cache transfer between engines (P/D)", "issue 14"),
+    ("data_parallel_size", "data-parallel ranks", "issue 16"),
+    ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
+    ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
+)
+_EPLB_ONLY = ("num_redundant_experts", "eplb_window_size", "eplb_step_interval", "eplb_policy")
+
+
+def _refuse_unimplemented(args: EngineArgs) -> None:
+    defaults = EngineArgs()
+    if args.kv_transfer_config is not None:
+        # Parse first: a typo is reported as such, not as "not implemented".
+        KVTransferConfig.from_dict(args.kv_transfer_config)
+    for name, feature, issue in _UNIMPLEMENTED:
+        value = getattr(args, name)
+        if value != getattr(defaults, name):
+            raise ValueError(
+                f"{name}={value!r} asks for {feature}, which this build does not implement yet "
+                f"({issue}); leave {name} at its default ({getattr(defaults, name)!r})"
+            )
+    for name in _EPLB_ONLY:
+        if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
+            raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
+
+
+def _check_group_env(args: EngineArgs, env: Env) -> None:
+    """The operator renders a pod's rank and its group's world size; they must agree with the
+    parallel sizes, or the pod would wait for peers that never come."""
+    world = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
+    if env.world_size is not None and env.world_size != world:
+        raise ValueError(
+            f"{env_name('world_size')}={env.world_size} does not match tensor × pipeline × data "
+            f"parallel sizes ({args.tensor_parallel_size}×{args.pipeline_parallel_size}"
+            f"×{args.data_parallel_size} = {world})"
+        )
+    if env.rank is not None and env.rank >= world:
+        raise ValueError(f"{env_name('rank')}={env.rank} must be < the world size {world}")
+
+
+def _base_type(annotation: Any) -> type:
+    args = [a for a in typing.get_args(annotation) if a is not types.NoneType]
+    base = args[0] if args else annotation
+    return typing.get_origin(base) or base
+
+
+def _json_object(flag: str) -> Any:
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object")
+        return value
+
+    return parse
