@@ -67,17 +67,24 @@ class LLM:
         encoded = [self._encode(p) for p in prompt_list]
         for (ids, _, _), params in zip(encoded, params_list, strict=True):
             validate_prompt(ids, params, self.config)
-        request_ids = []
-        for i, ((ids, text, salt), params) in enumerate(zip(encoded, params_list, strict=True)):
-            request_ids.append(
-                self.add_request(
-                    ids,
-                    params,
-                    prompt=text,
-                    cache_salt=salt,
-                    priority=priority[i] if priority else 0,
+        request_ids: list[str] = []
+        try:
+            for i, ((ids, text, salt), params) in enumerate(zip(encoded, params_list, strict=True)):
+                request_ids.append(
+                    self.add_request(
+                        ids,
+                        params,
+                        prompt=text,
+                        cache_salt=salt,
+                        priority=priority[i] if priority else 0,
+                    )
                 )
-            )
+        except BaseException:
+            # NOTE: the core may still refuse a prompt that passed validation (it needs more KV
+            # blocks than the cache holds); nothing of this call may stay queued then.
+            for request_id in request_ids:
+                self.abort_request(request_id)
+            raise
         return self._run_until_done(request_ids)
 
     def chat(
@@ -112,19 +119,30 @@ class LLM:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue one request without running it (use `step`); returns its id."""
+        """Queue one request without running it (use `step`); returns its id.
+
+        All or nothing: when the core refuses one of an n > 1 request's sequences, the others
+        are withdrawn and the request is forgotten before the error propagates.
+
+        Raises:
+            ValueError: an invalid prompt or params, or a prompt the KV cache can never hold.
+        """
         validate_prompt(prompt_token_ids, params, self.config)
         request_id = request_id if request_id is not None else str(next(self._counter))
         children = self._processor.add_request(request_id, prompt, prompt_token_ids, params)
-        for child_id, child in children.items():
-            self.engine_core.add_request(
-                child_id,
-                prompt_token_ids,
-                child,
-                eos_token_ids=self.eos_token_ids,
-                priority=priority,
-                cache_salt=cache_salt,
-            )
+        try:
+            for child_id, child in children.items():
+                self.engine_core.add_request(
+                    child_id,
+                    prompt_token_ids,
+                    child,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+        except BaseException:
+            self.abort_request(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -75,6 +75,16 @@ def test_n_sequences_and_finish_reasons(llm: LLM) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     assert all(len(c.token_ids) <= 5 for c in out.outputs)
+    # Sequence i samples with seed + i: each equals a lone request with that seed, and (fixed
+    # model, fixed seeds) the three differ, so n > 1 is n samples, not one sample n times.
+    singles = [
+        llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=3 + i, max_tokens=5))[0]
+        .outputs[0]
+        .token_ids
+        for i in range(3)
+    ]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert len({tuple(s) for s in singles}) == 3
     capped = llm.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert capped.finish_reason == "length" and len(capped.token_ids) == 4
 
@@ -121,3 +131,19 @@ def test_min_tokens_suppresses_stop_token(llm: LLM) -> None:
     )[0].outputs[0]
     assert len(out.token_ids) >= 4
     assert tokens[0] not in out.token_ids[:4]
+
+
+def test_generate_is_all_or_nothing(tmp_path: Path) -> None:
+    # 3 usable blocks of 16 tokens: a 100-token prompt passes validation (max_model_len 128)
+    # but the core can never hold it, after the first prompt was already queued.
+    small = LLM(str(make_tiny_model(tmp_path, "llama")), dtype="float32", max_model_len=128,
+                num_kv_blocks=4)  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([PROMPT, {"prompt_token_ids": list(range(3, 103))}], greedy)
+    assert not small.has_unfinished_requests()
+    outputs = small.generate([PROMPT], greedy)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3]
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([{"prompt_token_ids": list(range(3, 103))}], SamplingParams(n=2))
+    assert not small.has_unfinished_requests()

@@ -83,10 +83,14 @@ class KVCacheManager:
         always recomputed so the step produces logits to sample from. A request that wants
         prompt logprobs gets no hit: every prompt position must be computed for its logits.
 
+        Nothing is counted here: the caller reports a lookup that led to an admission with
+        `record_prefix_cache_lookup`, so a request that waits for room is counted once, not on
+        every step it is looked up again.
+
         Returns:
             The hit blocks and the number of tokens they hold (a multiple of block_size).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._looks_up(request):
             return KVCacheBlocks(), 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
@@ -95,10 +99,16 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        num_hit_tokens = len(hit) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return KVCacheBlocks(hit), num_hit_tokens
+        return KVCacheBlocks(hit), len(hit) * self.block_size
+
+    def record_prefix_cache_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup: its tokens queried, `num_hit_tokens` found."""
+        if self._looks_up(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _looks_up(self, request: Request) -> bool:
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def allocate_slots(
         self,

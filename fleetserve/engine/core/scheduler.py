@@ -246,6 +246,10 @@ class Scheduler:
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
             )
+            if request.num_computed_tokens == 0:
+                # NOTE: counted once per admission, not per attempt: a request that waits for
+                # room is looked up again every step, which must not inflate the hit metrics.
+                self.kv_cache_manager.record_prefix_cache_lookup(request, num_hit)
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

@@ -117,3 +117,20 @@ def test_reset_prefix_cache_forgets_hits() -> None:
     scheduler.add_request(make_request("b", PROMPT, max_tokens=1))
     assert scheduler.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
     assert scheduler.reset_prefix_cache() is False  # b owns blocks
+
+
+def test_a_request_waiting_for_room_is_counted_once() -> None:
+    # 5 usable blocks: "a" holds 3 while it decodes, so "b" (3 blocks) waits several steps and
+    # is looked up again each step; the metrics count its lookup once, when it is admitted.
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", list(range(40)), max_tokens=4))
+    step(scheduler)
+    scheduler.add_request(make_request("b", list(range(100, 140)), max_tokens=1))
+    waited = 0
+    while "b" not in {r.request_id for r in scheduler.running} and scheduler.requests:
+        if "b" in scheduler.requests and scheduler.requests["b"] in scheduler.waiting:
+            waited += 1
+        step(scheduler)
+    assert waited >= 2
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (40 + 40, 0)
