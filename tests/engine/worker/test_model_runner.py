@@ -19,6 +19,7 @@ from fleetserve.engine.core.outputs import (
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.worker.executor import UniProcExecutor
 from fleetserve.engine.worker.model_runner import ModelRunner
+from fleetserve.engine.worker.worker import Worker
 
 BLOCK_SIZE = 4
 PROMPT_A = [5, 17, 300, 42, 9, 77, 128, 3, 250, 11, 64, 499, 7]
@@ -119,10 +120,11 @@ def _make_runner(model_dir: Path, device: str = "cpu", dtype: str = "float32") -
         max_num_seqs=4,
         max_model_len=64,
     )
-    runner = ModelRunner(config)
-    runner.load_model()
-    runner.initialize_kv_cache(runner.determine_num_kv_blocks())
-    return runner
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_kv_cache(worker.determine_num_kv_blocks())
+    return worker.model_runner
 
 
 @pytest.fixture
@@ -265,14 +267,14 @@ def test_kv_block_count(tiny_llama_dir: Path) -> None:
         max_num_seqs=2,
         max_model_len=64,
     )
-    runner = ModelRunner(config)
+    worker = Worker(config)
     # 2 layers x (K + V) x 4 tokens x 2 kv heads x 32 dims x 4 bytes
-    assert runner.get_kv_cache_block_bytes() == 2 * 2 * 4 * 2 * 32 * 4
+    assert worker.get_kv_cache_block_bytes() == 2 * 2 * 4 * 2 * 32 * 4
     # capped at max_num_seqs x ceil(64 / 4) blocks + the null block
-    assert runner.determine_num_kv_blocks() == 2 * 16 + 1
+    assert worker.determine_num_kv_blocks() == 2 * 16 + 1
     executor = UniProcExecutor(config)
     assert executor.initialize() == 33
-    assert executor.runner.kv_caches[0].shape == (2, 33, BLOCK_SIZE, 2, 32)
+    assert executor.worker.model_runner.kv_caches[0].shape == (2, 33, BLOCK_SIZE, 2, 32)
     executor.shutdown()
 
 
