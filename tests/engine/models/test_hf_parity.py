@@ -128,7 +128,9 @@ def test_variants_match_hf(tmp_path: Path, arch: str, overrides: dict[str, objec
 
 def test_tied_checkpoint_has_no_lm_head_and_loads_tied(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
-    model: Any = load_engine_model(EngineConfig.create(str(model_dir), dtype="float32", device="cpu"))
+    model: Any = load_engine_model(
+        EngineConfig.create(str(model_dir), dtype="float32", device="cpu")
+    )
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 

@@ -75,7 +75,8 @@ class _TwoWorkers(Executor):
         self.workers = [Worker(config), Worker(second)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return [w.execute_model(scheduler_output) for w in self.workers][0]
+        outputs = [w.execute_model(scheduler_output) for w in self.workers]
+        return outputs[0]
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method)(*args, **kwargs) for w in self.workers]
