@@ -111,6 +111,7 @@ def run_mode(
     from fleetserve.engine.config import EngineConfig
     from fleetserve.engine.core.engine_core import EngineCore
     from fleetserve.engine.sampling_params import SamplingParams
+    from fleetserve.engine.worker.executor import UniProcExecutor
 
     config = EngineConfig.create(
         str(model_dir),
@@ -124,7 +125,8 @@ def run_mode(
         attention_backend=args.attention_backend,
     )
     core = EngineCore(config)
-    runner = core.executor.runner
+    assert isinstance(core.executor, UniProcExecutor), "the decode bench runs one rank"
+    runner = core.executor.worker.model_runner
     assert runner.model is not None
     weights = weight_bytes_per_step(runner.model, args.batch_size)
     rng = random.Random(args.seed)

@@ -9,12 +9,14 @@ import pytest
 
 from fleetserve.bench.decode import SHAPES, main, weight_bytes_per_step, write_shape_folder
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.models.loader import load_model
+from tests.engine.tiny_models import load_engine_model
 
 
 def test_weight_bytes_count_every_weight_but_unread_embedding_rows(tmp_path: Path) -> None:
     folder = write_shape_folder("tiny", tmp_path)
-    model = load_model(EngineConfig.create(str(folder), dtype="float32", load_format="dummy"))
+    model = load_engine_model(
+        EngineConfig.create(str(folder), dtype="float32", load_format="dummy")
+    )
     shape = SHAPES["tiny"]
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     q = shape["num_attention_heads"] * shape["head_dim"]

@@ -95,6 +95,16 @@ def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides: Any) 
     return out
 
 
+def load_engine_model(config: Any) -> Any:
+    """The engine's model for an `EngineConfig`, built as the worker builds it (typed arch, layer
+    context, then the loader)."""
+    from fleetserve.engine.models.arch import ModelArch
+    from fleetserve.engine.models.loader import build_layer_context, load_model
+
+    arch = ModelArch.from_hf_config(config.model.hf_config)
+    return load_model(config, arch, build_layer_context(config))
+
+
 @cache
 def hf_model(path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM

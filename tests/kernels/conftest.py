@@ -1,23 +1,9 @@
-"""Kernel tests run on the GPU when there is one, else in Triton's CPU interpreter.
-
-NOTE: Triton decides between compiling and interpreting when a kernel is decorated, i.e. when a
-`fleetserve.kernels.<op>` module is first imported; nothing imports those modules before this
-conftest (the package and the attention backend import them lazily), so setting the variable
-here, at collection time, is early enough.
-"""
+"""Kernel tests run on the GPU when there is one, else in Triton's CPU interpreter."""
 
 from __future__ import annotations
 
-import os
+from tests.kernels.interpreter import device, use_interpreter_without_cuda
 
-import pytest
-import torch
+__all__ = ["device"]
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def device() -> torch.device:
-    """Where the small (CPU-interpretable) kernel tests run."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+use_interpreter_without_cuda()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from fleetserve.engine.layers.activation import SiluAndMul
+from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.norm import RMSNorm
-from fleetserve.engine.layers.rotary import RotaryEmbedding
+from fleetserve.engine.layers.rotary import RopeSettings, RotaryEmbedding
 from fleetserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from tests.kernels.helpers import TOLERANCES, assert_close
 
@@ -25,7 +26,7 @@ def test_rms_norm_matches_the_engine_layer(dtype: torch.dtype, device: torch.dev
 
     num_rows, hidden, eps = 7, 200, 1e-6  # hidden not a power of 2: a partial block
     x = _randn(num_rows, hidden, dtype=dtype, device=device)
-    layer = RMSNorm(hidden, eps, dtype, device)
+    layer = RMSNorm(hidden, eps, LayerContext(dtype, device))
     layer.weight.copy_(1.0 + 0.1 * _randn(hidden, dtype=dtype, device=device, seed=1))
     out = torch.full_like(x, float("nan"))
     result = rms_norm(x, layer.weight, eps, out=out)
@@ -63,15 +64,15 @@ def test_silu_and_mul_matches_the_engine_layer(dtype: torch.dtype, device: torch
     x = _randn(3, 2 * 1100, dtype=dtype, device=device)  # d=1100: two column blocks, one partial
     out = torch.full((3, 1100), float("nan"), dtype=dtype, device=device)
     assert silu_and_mul(x, out=out) is out
-    assert_close(out, SiluAndMul()(x), dtype)
+    assert_close(out, SiluAndMul(LayerContext(dtype, device))(x), dtype)
     assert_close(out, silu_and_mul_ref(x), dtype)
 
 
 def _tables(
     head_size: int, partial: float, dtype: torch.dtype, device: torch.device
 ) -> RotaryEmbedding:
-    config = {"rope_theta": 10000.0, "partial_rotary_factor": partial}
-    return RotaryEmbedding(config, head_size, 64, dtype, device)
+    rope = RopeSettings(rope_theta=10000.0, partial_rotary_factor=partial)
+    return RotaryEmbedding(rope, head_size, 64, LayerContext(dtype, device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,9 @@
     ro = executor.execute_model(so)                 # forward + sample on the workers
     outputs = scheduler.update_from_output(so, ro)  # append tokens, check stops, free blocks
 
-The offline `LLM` runs it in-process; the server runs it in its own process behind ZMQ.
+The offline `LLM` runs it in-process; the server runs it in its own process behind ZMQ. The
+executor class comes from the parallel topology (`Executor.get_class(config.parallel)`); its
+`initialize()` returns the KV block count the scheduler manages (the minimum over the ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fleetserve.engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, 
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.worker.executor import UniProcExecutor
+from fleetserve.engine.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        executor_cls = Executor.get_class(config.parallel)
+        self.executor: Executor = executor_cls(config)
         num_kv_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
         self._block_hasher = (
@@ -77,6 +80,17 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step: schedule, execute on the workers, update from their output.
+
+        Returns:
+            One `EngineCoreOutput` per running request that received a token this step (with
+            its logprobs and, once finished, its finish reason); empty when nothing sampled.
+
+        Side effects:
+            the scheduler admits, preempts and finishes requests and allocates or frees their
+            KV blocks; the workers run the forward pass and sample (when only finished or
+            preempted ids are pending, they are still told, so they drop those states).
+        """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             # Still tell the runner about finished requests so it frees their state.

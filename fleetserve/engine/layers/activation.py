@@ -6,16 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetserve.engine.layers.layer_context import LayerContext
+
 
 class SiluAndMul(nn.Module):
     """`silu(x[..., :d]) * x[..., d:]` for x [..., 2d] (gate first, then up).
 
-    With `use_triton`, x must be 2-D and one fused kernel reads it once and writes the result.
+    With the context's triton custom ops, x must be 2-D and one fused kernel reads it once and
+    writes the result.
     """
 
-    def __init__(self, *, use_triton: bool = False) -> None:
+    def __init__(self, context: LayerContext) -> None:
         super().__init__()
-        self.use_triton = use_triton
+        self.use_triton = context.use_triton_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

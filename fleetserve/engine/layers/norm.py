@@ -2,8 +2,8 @@
 
 `norm(x)` returns the normalised tensor; `norm(x, residual)` first adds `x` to `residual` and
 returns `(normed(x + residual), x + residual)`, so decoder layers carry the residual stream
-without a separate add kernel per sub-block. With `use_triton` the fused kernel of
-`fleetserve.kernels.rms_norm` does the add and the norm in one launch (one read, one write).
+without a separate add kernel per sub-block. With the context's triton custom ops the fused kernel
+of `fleetserve.kernels.rms_norm` does the add and the norm in one launch (one read, one write).
 """
 
 from __future__ import annotations
@@ -11,24 +11,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fleetserve.engine.layers.layer_context import LayerContext
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 like Hugging Face's LlamaRMSNorm."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float,
-        dtype: torch.dtype,
-        device: torch.device,
-        *,
-        use_triton: bool = False,
-    ) -> None:
+    def __init__(self, hidden_size: int, eps: float, context: LayerContext) -> None:
         super().__init__()
         self.eps = eps
-        self.use_triton = use_triton
+        self.use_triton = context.use_triton_ops
         self.weight = nn.Parameter(
-            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(hidden_size, dtype=context.dtype, device=context.device),
+            requires_grad=False,
         )
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,41 +3,77 @@
 The cos/sin tables are computed once, in float32, for every position up to `max_position`, on the
 model's device; each step gathers the rows of its token positions. The inverse frequencies follow
 the HF `rope_type` recipes that Llama- and Qwen2-family configs use: "default", "linear", "llama3"
-and "yarn" (static YaRN, as HF and vLLM apply it). Both the legacy `rope_scaling` + `rope_theta` keys
-and the transformers-v5 `rope_parameters` dict are accepted.
+and "yarn" (static YaRN, as HF and vLLM apply it), described by a typed `RopeSettings` (parsed from
+config.json's legacy `rope_scaling` + `rope_theta` keys or the transformers-v5 `rope_parameters`
+dict by `fleetserve.engine.models.arch`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+
+from fleetserve.engine.layers.layer_context import LayerContext
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Normalise a config's RoPE settings into one dict with `rope_type` and `rope_theta`.
+@dataclass(frozen=True, slots=True)
+class RopeSettings:
+    """A model's RoPE recipe, typed (`ModelArch.from_hf_config` reads it from config.json).
 
-    Raises:
-        ValueError: the config asks for a rope type this engine does not implement.
+    Raises (at construction):
+        ValueError: a rope type this engine does not implement, or a value its recipe needs is
+            missing.
     """
-    params: dict[str, Any] = dict(
-        hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    )
-    rope_type = str(params.get("rope_type", params.get("type", "default")))
-    params["rope_type"] = rope_type
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    if rope_type in ("llama3", "yarn"):
-        params.setdefault(
-            "original_max_position_embeddings", hf_config.get("max_position_embeddings", 2048)
-        )
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling.rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}"
-        )
-    return params
+
+    rope_type: str = "default"
+    """One of SUPPORTED_ROPE_TYPES."""
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dims that rotate (the rest pass through)."""
+    max_position_embeddings: int = 2048
+    """The model's context length (YaRN's factor defaults to it over the original one)."""
+    factor: float | None = None
+    """Scaling factor: required by 'linear' and 'llama3'; YaRN derives it when absent."""
+    low_freq_factor: float | None = None
+    """llama3 only (required there)."""
+    high_freq_factor: float | None = None
+    """llama3 only (required there)."""
+    original_max_position_embeddings: int | None = None
+    """llama3 and YaRN: the pre-extension context length (set for both by the parser)."""
+    attention_factor: float | None = None
+    """YaRN's cos/sin scale; derived from mscale / mscale_all_dim when None."""
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    """YaRN: round the correction range to whole dims."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling.rope_type must be one of {SUPPORTED_ROPE_TYPES}, "
+                f"got {self.rope_type!r}"
+            )
+        required: dict[str, tuple[str, ...]] = {
+            "linear": ("factor",),
+            "llama3": (
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            ),
+            "yarn": ("original_max_position_embeddings",),
+        }
+        for name in required.get(self.rope_type, ()):
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f"rope_scaling.{name} is required for rope_type {self.rope_type!r}"
+                )
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -45,11 +81,13 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base**exponents)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    factor = float(params["factor"])
-    low_freq_factor = float(params["low_freq_factor"])
-    high_freq_factor = float(params["high_freq_factor"])
-    old_context_len = float(params["original_max_position_embeddings"])
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeSettings) -> torch.Tensor:
+    assert rope.factor is not None and rope.low_freq_factor is not None
+    assert rope.high_freq_factor is not None and rope.original_max_position_embeddings is not None
+    factor = float(rope.factor)
+    low_freq_factor = float(rope.low_freq_factor)
+    high_freq_factor = float(rope.high_freq_factor)
+    old_context_len = float(rope.original_max_position_embeddings)
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -61,15 +99,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(
-    base: float, dim: int, params: dict[str, Any], max_position_embeddings: int
-) -> tuple[torch.Tensor, float]:
-    original_max = int(params["original_max_position_embeddings"])
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_position_embeddings / original_max
-    attention_factor = params.get("attention_factor")
+def _yarn_inv_freq(base: float, dim: int, rope: RopeSettings) -> tuple[torch.Tensor, float]:
+    assert rope.original_max_position_embeddings is not None
+    original_max = int(rope.original_max_position_embeddings)
+    factor = (
+        float(rope.factor)
+        if rope.factor is not None
+        else rope.max_position_embeddings / original_max
+    )
+    attention_factor = rope.attention_factor
     if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        mscale, mscale_all_dim = rope.mscale, rope.mscale_all_dim
 
         def get_mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -78,14 +118,13 @@ def _yarn_inv_freq(
             attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
         else:
             attention_factor = get_mscale(factor)
-    beta_fast = float(params.get("beta_fast") or 32)
-    beta_slow = float(params.get("beta_slow") or 1)
+    beta_fast, beta_slow = rope.beta_fast, rope.beta_slow
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
+    if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -99,19 +138,17 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(hf_config: dict[str, Any], rotary_dim: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(rope: RopeSettings, rotary_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the cos/sin scaling factor."""
-    params = rope_parameters(hf_config)
-    base = float(params["rope_theta"])
-    rope_type = params["rope_type"]
-    if rope_type == "yarn":
-        max_embeddings = int(hf_config.get("max_position_embeddings", 2048))
-        return _yarn_inv_freq(base, rotary_dim, params, max_embeddings)
+    base = float(rope.rope_theta)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(base, rotary_dim, rope)
     inv_freq = _base_inv_freq(base, rotary_dim)
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(params["factor"])
-    elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, params)
+    if rope.rope_type == "linear":
+        assert rope.factor is not None
+        inv_freq = inv_freq / float(rope.factor)
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope)
     return inv_freq, 1.0
 
 
@@ -123,27 +160,19 @@ class RotaryEmbedding:
     """
 
     def __init__(
-        self,
-        hf_config: dict[str, Any],
-        head_size: int,
-        max_position: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        *,
-        use_triton: bool = False,
+        self, rope: RopeSettings, head_size: int, max_position: int, context: LayerContext
     ) -> None:
-        self.use_triton = use_triton
-        partial = float(hf_config.get("partial_rotary_factor", 1.0))
-        self.rotary_dim = int(head_size * partial)
+        self.use_triton = context.use_triton_ops
+        self.rotary_dim = int(head_size * float(rope.partial_rotary_factor))
         self.head_size = head_size
-        inv_freq, scaling = compute_inv_freq(hf_config, self.rotary_dim)
+        inv_freq, scaling = compute_inv_freq(rope, self.rotary_dim)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         # NOTE: HF duplicates the half-size frequencies to the full rotary dim and casts cos/sin to
         # the activation dtype before multiplying; doing the same keeps bf16 outputs bit-identical.
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache = (emb.cos() * scaling).to(dtype=dtype, device=device)
-        self.sin_cache = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        self.cos_cache = (emb.cos() * scaling).to(dtype=context.dtype, device=context.device)
+        self.sin_cache = (emb.sin() * scaling).to(dtype=context.dtype, device=context.device)
 
     def __call__(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

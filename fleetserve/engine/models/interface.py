@@ -8,24 +8,30 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.forward_context import ForwardContext
 
 
 class CausalLM(nn.Module, ABC):
-    """A decoder-only LM over a flat token batch with a paged KV cache."""
+    """A decoder-only LM over a flat token batch with a paged KV cache.
+
+    Construction: `cls(arch, layer_context, attn_backend=..., max_position=...)` with a
+    `ModelArch` and a `LayerContext`; every attention layer is an `Attention` module whose
+    `layer_name` is its qualified module name.
+    """
 
     attn_backend: type[AttentionBackend]
     """The attention backend every layer uses (its capabilities decide CUDA graph capture)."""
 
     @abstractmethod
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] → hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions [num_tokens] → hidden states [num_tokens, hidden_size].
+
+        `context` carries the step's attention metadata, the KV caches by layer name and the
+        optional per-layer KV hooks.
+        """
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

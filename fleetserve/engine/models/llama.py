@@ -1,80 +1,65 @@
 """Llama-family decoder (LlamaForCausalLM, MistralForCausalLM; Qwen2 subclasses it).
 
 Parameter names mirror Hugging Face's so that checkpoint names map one to one, except that q/k/v
-are fused into `qkv_proj` and gate/up into `gate_up_proj` at load time (one matmul each).
-All tensors are token-major and unpadded: [num_tokens, ...], one flat batch per step.
+are fused into `qkv_proj` and gate/up into `gate_up_proj` at load time (one matmul each; the
+mapping is `stacked_params_mapping`). Every module is built from one `ModelArch` (what the config
+declares) and one `LayerContext` (dtype, device, custom ops, parallel ranks). All tensors are
+token-major and unpadded: [num_tokens, ...], one flat batch per step; the step's attention
+metadata and KV caches arrive in the `ForwardContext`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
 from fleetserve.engine.layers.activation import SiluAndMul
-from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.layer import Attention
+from fleetserve.engine.layers.forward_context import ForwardContext
+from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import Embedding, Linear, MergedLinear
 from fleetserve.engine.layers.norm import RMSNorm
 from fleetserve.engine.layers.rotary import RotaryEmbedding
+from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
-
-# Checkpoint projection name → (our fused module name, shard index).
-_STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
-    ("q_proj", "qkv_proj", 0),
-    ("k_proj", "qkv_proj", 1),
-    ("v_proj", "qkv_proj", 2),
-    ("gate_proj", "gate_up_proj", 0),
-    ("up_proj", "gate_up_proj", 1),
-)
-
-
-def head_size_of(hf_config: dict[str, Any]) -> int:
-    """The config's `head_dim` when present, else hidden_size // num_attention_heads."""
-    head_dim = hf_config.get("head_dim")
-    if head_dim:
-        return int(head_dim)
-    return int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
 
 
 class LlamaAttention(nn.Module):
     def __init__(
         self,
-        hf_config: dict[str, Any],
+        arch: ModelArch,
+        context: LayerContext,
         rotary: RotaryEmbedding,
         backend_cls: type[AttentionBackend],
         *,
         qkv_bias: bool,
         o_bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
+        prefix: str,
     ) -> None:
         super().__init__()
-        hidden = int(hf_config["hidden_size"])
-        self.num_heads = int(hf_config["num_attention_heads"])
-        self.num_kv_heads = int(hf_config.get("num_key_value_heads") or self.num_heads)
-        self.head_size = head_size_of(hf_config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
-        self.scale = self.head_size**-0.5
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_size = arch.head_size
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
         self.qkv_proj = MergedLinear(
-            hidden,
-            [self.q_size, self.kv_size, self.kv_size],
-            bias=qkv_bias,
-            dtype=dtype,
-            device=device,
+            arch.hidden_size, [self.q_size, self.kv_size, self.kv_size], context, bias=qkv_bias
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, context, bias=o_bias)
         self.rotary = rotary
-        self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_size)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            backend_cls=backend_cls,
+            layer_name=f"{prefix}.attn",
+        )
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,31 +67,19 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
         q, k = self.rotary(positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = self.attn(q, k, v, context)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        hf_config: dict[str, Any],
-        *,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_triton: bool = False,
-    ) -> None:
+    def __init__(self, arch: ModelArch, context: LayerContext, *, bias: bool) -> None:
         super().__init__()
-        hidden = int(hf_config["hidden_size"])
-        intermediate = int(hf_config["intermediate_size"])
-        act = hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
-        self.gate_up_proj = MergedLinear(
-            hidden, [intermediate, intermediate], bias=bias, dtype=dtype, device=device
-        )
-        self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
-        self.act_fn = SiluAndMul(use_triton=use_triton)
+        if arch.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {arch.hidden_act!r}")
+        hidden, intermediate = arch.hidden_size, arch.intermediate_size
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], context, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, context, bias=bias)
+        self.act_fn = SiluAndMul(context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -115,49 +88,42 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
-        hf_config: dict[str, Any],
+        arch: ModelArch,
+        context: LayerContext,
         rotary: RotaryEmbedding,
         backend_cls: type[AttentionBackend],
         *,
-        qkv_bias: bool,
-        o_bias: bool,
-        mlp_bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_triton: bool = False,
+        biases: tuple[bool, bool, bool],
+        prefix: str,
     ) -> None:
         super().__init__()
-        hidden = int(hf_config["hidden_size"])
-        eps = float(hf_config.get("rms_norm_eps", 1e-6))
+        qkv_bias, o_bias, mlp_bias = biases
         self.self_attn = LlamaAttention(
-            hf_config,
+            arch,
+            context,
             rotary,
             backend_cls,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            dtype=dtype,
-            device=device,
+            prefix=f"{prefix}.self_attn",
         )
-        self.mlp = LlamaMLP(
-            hf_config, bias=mlp_bias, dtype=dtype, device=device, use_triton=use_triton
-        )
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
+        self.mlp = LlamaMLP(arch, context, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
+        hidden_states = self.self_attn(positions, hidden_states, context)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -165,59 +131,33 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(
         self,
-        hf_config: dict[str, Any],
+        arch: ModelArch,
+        context: LayerContext,
         backend_cls: type[AttentionBackend],
         *,
-        qkv_bias: bool,
-        o_bias: bool,
-        mlp_bias: bool,
+        biases: tuple[bool, bool, bool],
         max_position: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_triton: bool = False,
+        prefix: str = "model",
     ) -> None:
         super().__init__()
-        hidden = int(hf_config["hidden_size"])
-        self.embed_tokens = Embedding(
-            int(hf_config["vocab_size"]), hidden, dtype=dtype, device=device
-        )
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, context)
         # NOTE: one rotary table for all layers (they share the config).
-        rotary = RotaryEmbedding(
-            hf_config,
-            head_size_of(hf_config),
-            max_position,
-            dtype,
-            device,
-            use_triton=use_triton,
-        )
+        rotary = RotaryEmbedding(arch.rope, arch.head_size, max_position, context)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                hf_config,
-                rotary,
-                backend_cls,
-                qkv_bias=qkv_bias,
-                o_bias=o_bias,
-                mlp_bias=mlp_bias,
-                dtype=dtype,
-                device=device,
-                use_triton=use_triton,
+                arch, context, rotary, backend_cls, biases=biases, prefix=f"{prefix}.layers.{i}"
             )
-            for _ in range(int(hf_config["num_hidden_layers"]))
+            for i in range(arch.num_hidden_layers)
         )
-        eps = float(hf_config.get("rms_norm_eps", 1e-6))
-        self.norm = RMSNorm(hidden, eps, dtype, device, use_triton=use_triton)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, context)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -225,59 +165,63 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama (and Mistral) causal LM.
 
-    Construction allocates uninitialised weights on `device`; `load_weights` fills them. With
-    `use_triton_ops`, RMSNorm, rotary and SiLU-and-mul run as the fused kernels of
-    `fleetserve.kernels` instead of eager torch ops.
+    Construction allocates uninitialised weights on the context's device; `load_weights` fills
+    them. With the context's triton custom ops, RMSNorm, rotary and SiLU-and-mul run as the fused
+    kernels of `fleetserve.kernels` instead of eager torch ops.
     """
 
     uses_sliding_window_by_default = True
     """Whether a `sliding_window` key applies when the config has no `use_sliding_window`."""
 
     @classmethod
-    def projection_biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
+    def projection_biases(cls, arch: ModelArch) -> tuple[bool, bool, bool]:
         """Which projections carry a bias: (q/k/v, o_proj, MLP)."""
-        attention_bias = bool(hf_config.get("attention_bias", False))
-        return attention_bias, attention_bias, bool(hf_config.get("mlp_bias", False))
+        return arch.attention_bias, arch.attention_bias, arch.mlp_bias
+
+    @classmethod
+    def stacked_params_mapping(cls) -> tuple[tuple[str, str, int], ...]:
+        """Checkpoint projection name → (our fused module name, shard index).
+
+        A per-model mapping: an MoE model adds its expert mapping beside it.
+        """
+        return (
+            ("q_proj", "qkv_proj", 0),
+            ("k_proj", "qkv_proj", 1),
+            ("v_proj", "qkv_proj", 2),
+            ("gate_proj", "gate_up_proj", 0),
+            ("up_proj", "gate_up_proj", 1),
+        )
 
     def __init__(
         self,
-        hf_config: dict[str, Any],
+        arch: ModelArch,
+        context: LayerContext,
         *,
         attn_backend: type[AttentionBackend],
         max_position: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_triton_ops: bool = False,
     ) -> None:
         super().__init__()
-        window = hf_config.get("sliding_window")
-        uses_window = hf_config.get("use_sliding_window", self.uses_sliding_window_by_default)
-        if uses_window and window and int(window) < max_position:
+        window = arch.sliding_window
+        uses_window = (
+            self.uses_sliding_window_by_default
+            if arch.use_sliding_window is None
+            else arch.use_sliding_window
+        )
+        if uses_window and window and window < max_position:
             raise ValueError(
                 f"sliding_window attention is not supported; max_model_len must be <= "
                 f"sliding_window ({window}), got {max_position}"
             )
-        qkv_bias, o_bias, mlp_bias = self.projection_biases(hf_config)
         self.attn_backend = attn_backend
         self.model = LlamaModel(
-            hf_config,
+            arch,
+            context,
             attn_backend,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=mlp_bias,
+            biases=self.projection_biases(arch),
             max_position=max_position,
-            dtype=dtype,
-            device=device,
-            use_triton=use_triton_ops,
         )
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        self.lm_head = Linear(
-            int(hf_config["hidden_size"]),
-            int(hf_config["vocab_size"]),
-            bias=False,
-            dtype=dtype,
-            device=device,
-        )
+        self.tie_word_embeddings = arch.tie_word_embeddings
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, context, bias=False)
         if self.tie_word_embeddings:
             self.tie_lm_head()
 
@@ -286,14 +230,10 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, context)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab_size] for the selected hidden states [n, hidden]."""
@@ -306,13 +246,14 @@ class LlamaForCausalLM(CausalLM):
             ValueError: a tensor's shape does not match its parameter.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
+        stacked = self.stacked_params_mapping()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for ckpt_part, fused_part, shard in _STACKED_PARAMS:
+            for ckpt_part, fused_part, shard in stacked:
                 if f".{ckpt_part}." not in name:
                     continue
                 fused_name = name.replace(f".{ckpt_part}.", f".{fused_part}.")

@@ -19,9 +19,10 @@ import torch
 from safetensors import safe_open
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.layers.attention import select_attention_backend
+from fleetserve.engine.layers.attention.selector import select_attention_backend
+from fleetserve.engine.layers.layer_context import LayerContext
+from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
-from fleetserve.engine.models.llama import head_size_of
 from fleetserve.engine.models.registry import resolve_model_class
 from fleetserve.kernels import is_interpreter
 
@@ -66,42 +67,52 @@ def iterate_weights(
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def load_model(config: EngineConfig) -> CausalLM:
-    """Construct the configured architecture on the device and fill it from the checkpoint.
+def build_layer_context(
+    config: EngineConfig, *, tp_rank: int = 0, tp_size: int = 1
+) -> LayerContext:
+    """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice.
 
     Raises:
-        ValueError: unknown architecture, no usable attention backend, a shape mismatch, or
-            parameters the checkpoint does not provide.
+        ValueError: an unknown dtype, or triton custom ops on the CPU outside Triton's
+            interpreter.
     """
-    hf_config = config.model.hf_config
-    model_cls = resolve_model_class(config.model.architecture)
-    dtype = torch_dtype(config.model.dtype)
     device = torch.device(config.device.device)
-    backend = select_attention_backend(
-        config.device.attention_backend,
-        head_size_of(hf_config),
-        dtype,
-        config.cache.block_size,
-        device,
-    )
-    use_triton_ops = config.device.custom_ops == "triton"
-    if use_triton_ops and device.type != "cuda" and not is_interpreter():
+    custom_ops = config.device.custom_ops
+    if custom_ops == "triton" and device.type != "cuda" and not is_interpreter():
         raise ValueError(
             "custom_ops 'triton' runs on device 'cpu' only in Triton's interpreter "
             "(set TRITON_INTERPRET=1), or use custom_ops 'torch'"
         )
-    model = model_cls(
-        hf_config,
-        attn_backend=backend,
-        max_position=config.model.max_model_len,
-        dtype=dtype,
+    return LayerContext(
+        dtype=torch_dtype(config.model.dtype),
         device=device,
-        use_triton_ops=use_triton_ops,
+        custom_ops=custom_ops,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
+
+
+def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> CausalLM:
+    """Construct the configured architecture on the context's device and fill it from the
+    checkpoint (or with seeded dummy weights under `load_format="dummy"`).
+
+    Raises:
+        ValueError: unknown architecture, no usable attention backend, a value the model class
+            does not support, a shape mismatch, or parameters the checkpoint does not provide.
+    """
+    model_cls = resolve_model_class(arch.architecture)
+    backend = select_attention_backend(
+        config.device.attention_backend,
+        arch.head_size,
+        context.dtype,
+        config.cache.block_size,
+        context.device,
+    )
+    model = model_cls(arch, context, attn_backend=backend, max_position=config.model.max_model_len)
     if config.model.load_format == "dummy":
         initialize_dummy_weights(model, config.model.seed)
         return model.eval()
-    loaded = model.load_weights(iterate_weights(config.model.model, dtype))
+    loaded = model.load_weights(iterate_weights(config.model.model, context.dtype))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if "lm_head.weight" in expected - loaded and "model.embed_tokens.weight" in loaded:
         model.tie_lm_head()

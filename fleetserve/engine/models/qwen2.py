@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.llama import LlamaForCausalLM
 
 
@@ -13,5 +12,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     uses_sliding_window_by_default = False
 
     @classmethod
-    def projection_biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
+    def projection_biases(cls, arch: ModelArch) -> tuple[bool, bool, bool]:
         return True, False, False

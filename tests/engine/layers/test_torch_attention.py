@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleetserve.engine.layers import attention
-from fleetserve.engine.layers.attention import (
-    AttentionBackend,
-    TorchAttentionBackend,
-    build_attention_metadata,
-    select_attention_backend,
-)
+from fleetserve.engine.layers.attention import torch_backend
+from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.metadata import build_attention_metadata
+from fleetserve.engine.layers.attention.selector import select_attention_backend
+from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
 from fleetserve.kernels.reference import reshape_and_cache_ref
 
 BLOCK_SIZE = 4
@@ -129,7 +127,7 @@ def test_large_decode_batch_in_length_groups_matches_dense_reference(
 ) -> None:
     # 24 decodes of lengths 1..47 in shuffled order; a tiny gather budget (the tuning constant,
     # 4 MiB in production) splits them into many length groups.
-    monkeypatch.setattr(attention, "_DECODE_GATHER_BYTES", 8 * 1024)
+    monkeypatch.setattr(torch_backend, "_DECODE_GATHER_BYTES", 8 * 1024)
     lengths = [1 + (i * 17) % 47 for i in range(24)]
     requests, next_block = [], 1
     for length in lengths:

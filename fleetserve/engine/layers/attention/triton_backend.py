@@ -13,11 +13,8 @@ import importlib.util
 
 import torch
 
-from fleetserve.engine.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    CudaGraphSupport,
-)
+from fleetserve.engine.layers.attention.base import AttentionBackend, CudaGraphSupport
+from fleetserve.engine.layers.attention.metadata import AttentionMetadata
 from fleetserve.kernels import is_interpreter
 
 
@@ -30,9 +27,6 @@ class TritonAttentionBackend(AttentionBackend):
     # NOTE: the kernel gathers every key position through the block table on its own, so any
     # block size works (block size and kernel tile are independent).
     supported_block_sizes: tuple[int, ...] | None = None
-    supported_features: frozenset[str] = frozenset(
-        {"mixed_batch", "gqa", "sliding_window", "split_kv_decode"}
-    )
     # NOTE: both launches read lengths from device tensors; the grid depends only on the padded
     # batch and on max_seq_len, which graph capture fixes at max_model_len (the kernel stops at
     # each row's own length, so empty splits cost a launch slot, not work).

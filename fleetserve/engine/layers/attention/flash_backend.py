@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from fleetserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.metadata import AttentionMetadata
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -24,7 +25,6 @@ class FlashAttentionBackend(AttentionBackend):
     supported_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     supported_head_sizes: tuple[int, ...] | None = (32, 64, 96, 128, 256)
     supported_block_sizes: tuple[int, ...] | None = None
-    supported_features: frozenset[str] = frozenset({"mixed_batch", "gqa", "sliding_window"})
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_size)

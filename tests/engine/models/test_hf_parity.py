@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.layers.attention import build_attention_metadata
-from fleetserve.engine.models.loader import load_model
+from fleetserve.engine.layers.attention.layer import attention_layers
+from fleetserve.engine.layers.attention.metadata import build_attention_metadata
+from fleetserve.engine.layers.forward_context import ForwardContext
 from fleetserve.engine.models.registry import resolve_model_class
 from fleetserve.engine.tokenizer import eos_token_ids
-from tests.engine.tiny_models import make_tiny_model
+from tests.engine.tiny_models import load_engine_model, make_tiny_model
 
 BLOCK_SIZE = 4
 PROMPT = [5, 17, 300, 42, 9, 77, 128, 3, 250, 11, 64, 499, 7]
@@ -51,16 +52,16 @@ def _run_chunk(
         BLOCK_SIZE,
         torch.device("cpu"),
     )
+    names = [layer.layer_name for layer in attention_layers(model)]
+    context = ForwardContext(metadata, dict(zip(names, kv_caches, strict=True)))
     with torch.inference_mode():
-        hidden = model(
-            torch.tensor(token_ids[start:]), torch.tensor(positions), kv_caches, metadata
-        )
+        hidden = model(torch.tensor(token_ids[start:]), torch.tensor(positions), context)
         return model.compute_logits(hidden)
 
 
 def _our_logits(model_dir: Path, token_ids: list[int], split: int = 0) -> torch.Tensor:
     config = EngineConfig.create(str(model_dir), dtype="float32", device="cpu")
-    model: Any = load_model(config)
+    model: Any = load_engine_model(config)
     kv_caches = _kv_caches(model, num_blocks=8)
     block_ids = [3, 1, 6, 2]  # NOTE: scattered on purpose, the table (not order) must rule
     if split == 0:
@@ -127,13 +128,15 @@ def test_variants_match_hf(tmp_path: Path, arch: str, overrides: dict[str, objec
 
 def test_tied_checkpoint_has_no_lm_head_and_loads_tied(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
-    model: Any = load_model(EngineConfig.create(str(model_dir), dtype="float32", device="cpu"))
+    model: Any = load_engine_model(
+        EngineConfig.create(str(model_dir), dtype="float32", device="cpu")
+    )
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 def test_bfloat16_load_casts_every_parameter(tiny_llama_dir: Path) -> None:
     config = EngineConfig.create(str(tiny_llama_dir), dtype="bfloat16", device="cpu")
-    model = load_model(config)
+    model = load_engine_model(config)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     logits = _run_chunk(
         model, [c.bfloat16() for c in _kv_caches(model, 8)], [3, 1, 6, 2], PROMPT, 0

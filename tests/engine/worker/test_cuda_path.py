@@ -20,7 +20,9 @@ from fleetserve import LLM, SamplingParams
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.engine_core import EngineCore
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
+from fleetserve.engine.worker.executor import UniProcExecutor
 from fleetserve.engine.worker.model_runner import ModelRunner
+from fleetserve.engine.worker.worker import Worker
 from tests.engine.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -29,8 +31,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [3 + i, 17, 90 + 7 * i][: 1 + i % 3] * (1 + i)} for i in range(5)]
 
 
+def _worker(llm: LLM) -> Worker:
+    executor = llm.engine_core.executor
+    assert isinstance(executor, UniProcExecutor)
+    return executor.worker
+
+
 def _runner(llm: LLM) -> ModelRunner:
-    return llm.engine_core.executor.runner
+    return _worker(llm).model_runner
 
 
 def _greedy_tokens(llm: LLM, prompts: list[dict[str, list[int]]]) -> list[list[int]]:
@@ -81,13 +89,13 @@ def test_padded_decode_batches_give_the_unpadded_tokens(tmp_path: Path, backend:
     runner = _runner(llm)
     runner.decode_graphs = DecodeGraphs((1, 2, 4, 8), capture=False)
     prepared: list[Any] = []
-    prepare = runner._prepare_inputs
+    prepare = runner.input_preparer.prepare
 
-    def recording_prepare(so: Any) -> Any:
-        prepared.append(prepare(so))
+    def recording_prepare(*args: Any) -> Any:
+        prepared.append(prepare(*args))
         return prepared[-1]
 
-    runner._prepare_inputs = recording_prepare  # type: ignore[method-assign]
+    runner.input_preparer.prepare = recording_prepare  # type: ignore[method-assign]
     assert _greedy_tokens(llm, PROMPTS) == expected
     assert runner.decode_graphs.num_runs >= 5  # every decode step after the prefill
     # What a graph replays must live at fixed addresses: every padded step reads the same
@@ -112,8 +120,18 @@ def test_graphs_stay_off_on_the_cpu_and_under_enforce_eager(tmp_path: Path) -> N
     path = make_tiny_model(tmp_path, "llama")
     llm = _tiny_llm(path, attention_backend="triton")
     assert _runner(llm).decode_graphs is None
-    assert _runner(llm).cuda_graph_off_reason() == "device is 'cpu'"
+    assert _worker(llm).cuda_graph_off_reason() == "device is 'cpu'"
     assert llm.config.device.custom_ops == "torch"  # 'auto' on the CPU
+    # enforce_eager is checked before the device, so its effect is observable on the CPU too: a
+    # worker that ignored it would report the device instead, and capture would not be refused
+    # for it.
+    eager = _tiny_llm(path, attention_backend="triton", enforce_eager=True)
+    assert eager.config.device.enforce_eager
+    worker = _worker(eager)
+    assert worker.cuda_graph_off_reason() == "enforce_eager is set"
+    assert worker.capture_cuda_graphs() == 0
+    assert _runner(eager).decode_graphs is None
+    assert len(_greedy_tokens(eager, PROMPTS)[0]) == 3
 
 
 def test_triton_custom_ops_give_the_torch_tokens(tmp_path: Path) -> None:
@@ -175,8 +193,12 @@ def test_dummy_weights_need_only_config_json_and_are_seeded(tmp_path: Path) -> N
 def test_cuda_graph_replays_give_the_eager_tokens(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path, "llama")
     settings = {"device": "cuda", "attention_backend": "triton"}
-    expected = _greedy_tokens(_tiny_llm(path, enforce_eager=True, **settings), PROMPTS)
+    eager = _tiny_llm(path, enforce_eager=True, **settings)
+    assert _worker(eager).cuda_graph_off_reason() == "enforce_eager is set"
+    assert _runner(eager).decode_graphs is None
+    expected = _greedy_tokens(eager, PROMPTS)
     llm = _tiny_llm(path, **settings)
+    assert _worker(llm).cuda_graph_off_reason() is None
     graphs = _runner(llm).decode_graphs
     assert graphs is not None and graphs.num_captured == len(cuda_graph_capture_sizes(8))
     assert _greedy_tokens(llm, PROMPTS) == expected
@@ -190,5 +212,5 @@ def test_torch_attention_on_cuda_runs_eagerly_and_says_why(tmp_path: Path) -> No
     path = make_tiny_model(tmp_path, "llama")
     llm = _tiny_llm(path, device="cuda", attention_backend="torch")
     assert _runner(llm).decode_graphs is None
-    assert _runner(llm).cuda_graph_off_reason() == "attention backend 'torch' cannot be captured"
+    assert _worker(llm).cuda_graph_off_reason() == "attention backend 'torch' cannot be captured"
     assert len(_greedy_tokens(llm, PROMPTS)[0]) == 3

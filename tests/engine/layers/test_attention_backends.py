@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from fleetserve import LLM, SamplingParams
-from fleetserve.engine.layers.attention import (
-    AttentionBackend,
-    TorchAttentionBackend,
+from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.metadata import build_attention_metadata
+from fleetserve.engine.layers.attention.selector import (
     attention_backend_registry,
-    build_attention_metadata,
     select_attention_backend,
 )
-from fleetserve.engine.layers.attention_triton import TritonAttentionBackend
+from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
+from fleetserve.engine.layers.attention.triton_backend import TritonAttentionBackend
 from tests.engine.tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def test_auto_falls_back_and_logs_why(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert list(attention_backend_registry()) == ["flash_attn", "triton", "torch"]
-    with caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention"):
+    with caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention.selector"):
         chosen = select_attention_backend("auto", 32, torch.float32, 16, CPU)
     assert chosen is TorchAttentionBackend
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -84,7 +84,7 @@ def test_auto_never_picks_the_interpreted_triton_on_cpu(
     """Even when torch cannot serve and triton could (interpreted), 'auto' refuses and says why."""
     monkeypatch.setattr(TorchAttentionBackend, "supported_block_sizes", (16,))
     with (
-        caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention"),
+        caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention.selector"),
         pytest.raises(ValueError, match=r"no attention backend.*triton: on the CPU triton runs"),
     ):
         select_attention_backend("auto", 32, torch.float32, 4, CPU)

@@ -1,0 +1,42 @@
+"""`LayerContext`: the construction-time settings every layer shares, passed down once.
+
+A model builds all its layers from one `(ModelArch, LayerContext)` pair instead of threading
+`dtype, device, use_triton` through each constructor. The tensor-parallel rank and size are here
+so that parallel linear layers can take their shard from it when they land (single rank today:
+0 of 1); MoE's expert-parallel rank will join them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CUSTOM_OPS: tuple[str, ...] = ("torch", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerContext:
+    """Where and how layers are built."""
+
+    dtype: torch.dtype
+    """Weight and activation dtype."""
+    device: torch.device
+    """Where parameters and tables are allocated."""
+    custom_ops: str = "torch"
+    """RMSNorm, rotary and SiLU-and-mul as eager torch ops ('torch') or the fused kernels of
+    `fleetserve.kernels` ('triton')."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.custom_ops not in CUSTOM_OPS:
+            raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+
+    @property
+    def use_triton_ops(self) -> bool:
+        return self.custom_ops == "triton"

@@ -1,0 +1,203 @@
+"""The Worker: one rank's device, model, KV cache and model runner.
+
+Lifecycle, driven by an `Executor` (usually through `collective_rpc`, so that every rank runs
+the same sequence):
+
+    init_device()              select the device; build the layer context and the runner
+    load_model()               weights onto the device
+    determine_num_kv_blocks()  what fits this rank's memory (the executor takes the minimum)
+    initialize_kv_cache(n)     allocate n blocks per layer, zeroed; bind them to the runner
+    capture_cuda_graphs()      decode graphs when they apply (CUDA, not enforce_eager, ...)
+    execute_model(so)          per step
+    shutdown()                 release graphs, model and caches
+
+Sizing lives here, not in the runner, because under tensor or pipeline parallelism every rank
+sizes its own memory and the executor must agree on one number for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.layers.attention.base import CudaGraphSupport
+from fleetserve.engine.layers.layer_context import LayerContext
+from fleetserve.engine.models.arch import ModelArch
+from fleetserve.engine.models.loader import build_layer_context, torch_dtype
+from fleetserve.engine.worker.cuda_graphs import cuda_graph_capture_sizes
+from fleetserve.engine.worker.input_prep import cdiv
+from fleetserve.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_CUDA_RESERVE_BYTES = 512 << 20
+"""Headroom left on the GPU for the allocator, kernels' workspaces and the logits."""
+
+
+class Worker:
+    """One engine rank (rank 0 of 1 for now).
+
+    Args:
+        config: the engine configuration.
+        rank: this worker's rank in the engine's world (tensor-parallel rank for now).
+
+    Raises:
+        ValueError: the model's config.json does not describe a usable architecture.
+    """
+
+    def __init__(self, config: EngineConfig, *, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.arch = ModelArch.from_hf_config(config.model.hf_config)
+        """The typed architecture, read once for this rank's model and runner."""
+        self.dtype = torch_dtype(config.model.dtype)
+        self.device = torch.device(config.device.device)
+        self.layer_context: LayerContext | None = None
+        self._runner: ModelRunner | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The runner (exists from `init_device` until `shutdown`)."""
+        assert self._runner is not None, "init_device() must run first (and not shutdown())"
+        return self._runner
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        """Select this rank's device and build the layer context and the model runner.
+
+        Raises:
+            ValueError: CUDA requested without a CUDA device, or custom ops the device cannot run.
+        """
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda' needs a CUDA GPU, and torch sees none")
+            torch.cuda.set_device(self.rank)
+        parallel = self.config.parallel
+        self.layer_context = build_layer_context(
+            self.config, tp_rank=self.rank, tp_size=parallel.tensor_parallel_size
+        )
+        self._runner = ModelRunner(self.config, self.arch, self.layer_context)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes across all layers (keys and values)."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        arch = self.arch
+        per_layer = 2 * self.config.cache.block_size * arch.kv_size * element_bytes
+        return per_layer * arch.num_hidden_layers
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks this rank can hold, including the null block 0 (after `load_model`).
+
+        The configured `num_kv_blocks` wins; otherwise the CPU budget or the free GPU memory
+        (after loading) sets it, capped at what max_num_seqs full-length requests can use.
+
+        Raises:
+            ValueError: the memory budget does not fit even two blocks.
+        """
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        block_bytes = self.get_kv_cache_block_bytes()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cache.gpu_memory_utilization) - used
+            budget -= _CUDA_RESERVE_BYTES + self._activation_bytes()
+        else:
+            budget = cache.cpu_kv_cache_space_bytes
+        num_blocks = budget // block_bytes
+        max_blocks_per_req = cdiv(self.config.model.max_model_len, cache.block_size)
+        needed = self.config.scheduler.max_num_seqs * max_blocks_per_req + 1
+        num_blocks = min(num_blocks, needed)
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
+                f"{block_bytes} bytes; raise gpu_memory_utilization / cpu_kv_cache_space_bytes "
+                "or set num_kv_blocks"
+            )
+        return int(num_blocks)
+
+    def _activation_bytes(self) -> int:
+        """Rough peak of one step's activations (NOTE: an estimate, not a profiling run)."""
+        width = 6 * self.arch.hidden_size + 3 * self.arch.intermediate_size
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        scheduler = self.config.scheduler
+        logits = scheduler.max_num_seqs * self.arch.vocab_size * 4 * 3
+        return scheduler.max_num_batched_tokens * width * element_bytes + logits
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one zeroed [2, num_blocks, block_size, num_kv_heads, head_size] per layer and
+        hand them to the runner."""
+        arch = self.arch
+        block_size = self.config.cache.block_size
+        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_size)
+        kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(arch.num_hidden_layers)
+        ]
+        self.model_runner.bind_kv_caches(kv_caches)
+
+    def cuda_graph_off_reason(self) -> str | None:
+        """None when decode batches should be captured as CUDA graphs, else why not.
+
+        NOTE: the user's explicit choice is checked first, so that it is the reason reported
+        (and observable) on every device, the CPU included.
+        """
+        if self.config.device.enforce_eager:
+            return "enforce_eager is set"
+        if self.device.type != "cuda":
+            return f"device is {self.device.type!r}"
+        model = self.model_runner.model
+        assert model is not None, "load_model() must run first"
+        backend = model.attn_backend
+        if backend.cuda_graph_support < CudaGraphSupport.UNIFORM_DECODE:
+            return f"attention backend {backend.name!r} cannot be captured"
+        return None
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture one decode graph per size up to max_num_seqs when graphs apply; returns how
+        many were captured (0 when off). Runs after `initialize_kv_cache`."""
+        reason = self.cuda_graph_off_reason()
+        if reason is not None:
+            # NOTE: on the CPU there is nothing to say; on CUDA the reason matters.
+            log = logger.debug if self.device.type == "cpu" else logger.info
+            log("CUDA graphs off: %s", reason)
+            return 0
+        sizes = cuda_graph_capture_sizes(self.config.scheduler.max_num_seqs)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        self.model_runner.capture_decode_graphs(sizes)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs (decode batches %d..%d) in %.1f s using %.0f MiB",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - started,
+            used / (1 << 20),
+        )
+        return len(sizes)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on this rank (see `ModelRunner.execute_model`)."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Release the graphs, the model and the KV caches; the runner is gone afterwards.
+
+        Idempotent; the process may keep running (memory returns once nothing else holds it).
+        """
+        if self._runner is not None:
+            self._runner.release()
+            self._runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
