@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from fleetserve import LLM, SamplingParams
-from tests.server.conftest import API_KEY, MAX_MODEL_LEN, ServerHandle, start_server
+from tests.server.server_process import API_KEY, MAX_MODEL_LEN, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""A real `python -m fleetserve.server` process on the bundled model, shared per module."""
+"""A real `python -m fleetserve.server` process on the bundled model (`start_server`), for the
+end-to-end tests; a helper module, not a conftest, so tests import it by name."""
 
 from __future__ import annotations
 
