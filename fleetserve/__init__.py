@@ -23,12 +23,12 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from fleetserve.engine.llm import LLM
-    from fleetserve.engine.outputs import RequestOutput
+    from fleetserve.engine.request_output import RequestOutput
     from fleetserve.engine.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "fleetserve.engine.llm",
-    "RequestOutput": "fleetserve.engine.outputs",
+    "RequestOutput": "fleetserve.engine.request_output",
     "SamplingParams": "fleetserve.engine.sampling_params",
 }
 

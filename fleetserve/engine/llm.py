@@ -14,7 +14,7 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.core.engine_core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
-from fleetserve.engine.outputs import RequestOutput
+from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from fleetserve.engine.validation import validate_prompt

@@ -1,9 +1,12 @@
 """Front-end side of a request: detokenize, check stop strings, build `RequestOutput`s.
 
 The engine core only sees token ids; this processor owns each request's incremental detokenizer
-and logprobs, fans `n > 1` requests out into n child requests (ids `"{index}_{request_id}"`) and
-gathers them back. A stop string is found here, not in the engine core, so `process_outputs`
-returns the ids the caller must finish in the engine (as FINISHED_STOPPED).
+and logprobs (shaped by `logprobs.py`), and all of the `n > 1` bookkeeping: it fans a request
+out into n child requests (ids `"{index}_{request_id}"`), maps each child back to its parent,
+tracks which children the core has scheduled yet (the waiting sequences admission counts) and
+gathers their outputs into one `RequestOutput` per parent. Callers (`LLM`, `AsyncLLM`) key
+their own state by the parent id only. A stop string is found here, not in the engine core, so
+`process_outputs` returns the child ids the caller must finish in the engine (FINISHED_STOPPED).
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from typing import TYPE_CHECKING
 
 from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists
 from fleetserve.engine.detokenizer import IncrementalDetokenizer
-from fleetserve.engine.outputs import (
+from fleetserve.engine.logprobs import (
+    logprob_entries,
+    prompt_logprobs_entries,
+    sampled_logprob_sum,
+)
+from fleetserve.engine.request_output import (
     CompletionOutput,
-    Logprob,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -61,6 +68,8 @@ class _Sequence:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    scheduled: bool = False
+    """The core reported that it scheduled this sequence (it no longer waits)."""
 
 
 @dataclass
@@ -75,10 +84,16 @@ class _Parent:
     prompt_logprobs: PromptLogprobs | None = None
     """Set from the first sequence's first output (only that sequence computes them)."""
     prompt_logprobs_sent: bool = False
+    scheduled: bool = False
+    """Some sequence of the request has been scheduled (its queue time is known)."""
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences.values())
+
+    @property
+    def num_unscheduled(self) -> int:
+        return sum(not s.scheduled for s in self.sequences.values())
 
 
 @dataclass
@@ -89,18 +104,25 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Tracks live requests by child id and turns engine-core outputs into RequestOutputs."""
+    """Tracks live requests (parents and their children) and turns engine-core outputs into
+    RequestOutputs; the one owner of the child ↔ parent map."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._num_unscheduled = 0
 
     def __len__(self) -> int:
         return len(self._parents)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Sequences (children) of live requests that the core has not scheduled yet."""
+        return self._num_unscheduled
 
     def add_request(
         self,
@@ -136,11 +158,36 @@ class OutputProcessor:
         )
         for child_id in children:
             self._child_to_parent[child_id] = request_id
+        self._num_unscheduled += len(children)
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return list(parent.sequences) if parent else []
+
+    def parent_id_of(self, child_id: str) -> str | None:
+        """The parent request of a core request id (None once the parent is gone)."""
+        return self._child_to_parent.get(child_id)
+
+    def record_scheduled(self, child_id: str) -> str | None:
+        """Note that the core scheduled `child_id` (it stops counting as waiting).
+
+        Returns:
+            The parent's id the first time any of its sequences is scheduled (the moment its
+            queue time ends); None after that, or when the child is unknown.
+        """
+        parent_id = self._child_to_parent.get(child_id)
+        if parent_id is None:
+            return None
+        parent = self._parents[parent_id]
+        seq = parent.sequences[child_id]
+        if not seq.scheduled:
+            seq.scheduled = True
+            self._num_unscheduled -= 1
+        if parent.scheduled:
+            return None
+        parent.scheduled = True
+        return parent_id
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request (by parent id); returns the child ids to abort in the engine."""
@@ -149,9 +196,18 @@ class OutputProcessor:
             return []
         for child_id in parent.sequences:
             self._child_to_parent.pop(child_id, None)
+        self._num_unscheduled -= parent.num_unscheduled
         return list(parent.sequences)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Fold one step's core outputs into the live requests.
+
+        Returns:
+            The RequestOutputs to deliver (per parent: each step in DELTA and CUMULATIVE
+            modes, once when finished in FINAL mode) and the child ids whose stop string
+            matched here, which the caller must finish in the core. Finished parents are
+            forgotten; outputs of unknown (aborted) children are dropped.
+        """
         touched: dict[str, _Parent] = {}
         to_finish: list[str] = []
         for out in outputs:
@@ -164,8 +220,9 @@ class OutputProcessor:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if parent.want_prompt_logprobs and parent.prompt_logprobs is None and seq.index == 0:
-                rows = out.prompt_logprobs
-                parent.prompt_logprobs = [None, *(self._logprob_entries(rows) if rows else [])]
+                parent.prompt_logprobs = prompt_logprobs_entries(
+                    out.prompt_logprobs, self._tokenizer
+                )
             if self._apply(seq, out):
                 to_finish.append(out.req_id)
             touched[parent_id] = parent
@@ -192,27 +249,8 @@ class OutputProcessor:
         return False
 
     def _add_logprobs(self, seq: _Sequence, rows: LogprobsLists) -> None:
-        seq.logprobs.extend(self._logprob_entries(rows))
-        seq.cumulative_logprob += sum(values[0] for values in rows.logprobs)
-
-    def _logprob_entries(self, rows: LogprobsLists) -> list[dict[int, Logprob]]:
-        """One dict per row: its first token (the sampled or the prompt's) with its rank, then
-        the top-k by rank."""
-        entries = []
-        for ids, values, rank in zip(
-            rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks, strict=True
-        ):
-            entry: dict[int, Logprob] = {}
-            for pos, (token_id, value) in enumerate(zip(ids, values, strict=True)):
-                if token_id in entry:
-                    continue  # the row's token also appears among the top-k
-                entry[token_id] = Logprob(
-                    logprob=value,
-                    rank=rank if pos == 0 else pos,
-                    decoded_token=str(self._tokenizer.decode([token_id])),
-                )
-            entries.append(entry)
-        return entries
+        seq.logprobs.extend(logprob_entries(rows, self._tokenizer))
+        seq.cumulative_logprob += sampled_logprob_sum(rows)
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         delta = parent.kind is OutputKind.DELTA

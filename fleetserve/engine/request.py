@@ -88,8 +88,8 @@ class Request:
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (prefix hits and external loads count)."""
-        self.num_cached_tokens = -1
-        """Prefix-cache hit length at first scheduling (-1 until scheduled)."""
+        self.num_cached_tokens: int | None = None
+        """Prefix-cache hit length at first scheduling (None until scheduled)."""
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
         self.prompt_logprobs_rows: LogprobsLists | None = None

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server of one engine: `create_app(config) -> web.Application`.
 
-Lifecycle: the app's cleanup context spawns the EngineCore process through `AsyncLLM` (the model
-loads there), starts the periodic stats log, and on shutdown stops both. State lives in typed
-`web.AppKey`s on the app (no module globals), so tests can run several apps in one process.
+Lifecycle: the app's cleanup context starts the engine client (by default an `AsyncLLM`, which
+spawns the EngineCore process where the model loads; tests pass their own `EngineClient`),
+starts the periodic stats log, and on shutdown stops both. State lives in typed `web.AppKey`s
+on the app (no module globals), so tests can run several apps in one process.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
 /health (200 only while the engine core process lives), /metrics (Prometheus text).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,18 +23,19 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from fleetserve.engine.async_llm import AsyncLLM
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.engine_client import EngineClient
 from fleetserve.engine.metrics import EngineMetrics
-from fleetserve.server.async_llm import AsyncLLM
-from fleetserve.server.errors import (
+from fleetserve.openai.errors import (
     RequestError,
     error_middleware,
     error_response,
     make_auth_middleware,
     parse_body,
 )
-from fleetserve.server.protocol import (
+from fleetserve.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -41,6 +44,8 @@ from fleetserve.server.protocol import (
     TokenizeResponse,
 )
 from fleetserve.server.serving import OpenAIServing
+from fleetserve.server.serving_chat import create_chat_completion
+from fleetserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +75,24 @@ class ServerConfig:
 
 CONFIG_KEY = web.AppKey("config", ServerConfig)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
-ENGINE_KEY = web.AppKey("engine", AsyncLLM)
+ENGINE_KEY = web.AppKey("engine", EngineClient)
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
 
 
-def create_app(config: ServerConfig) -> web.Application:
-    """Build the app; the engine core process starts when the app starts (cleanup_ctx)."""
+def create_app(config: ServerConfig, engine_client: EngineClient | None = None) -> web.Application:
+    """Build the app; the engine starts when the app starts (cleanup_ctx).
+
+    Args:
+        engine_client: the engine to serve; None builds an `AsyncLLM` for `config.engine`
+            (its metrics in this app's registry). The app starts and shuts down either one.
+    """
     middlewares: list[Middleware] = [error_middleware]
     if config.api_key:
         middlewares.append(make_auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[CONFIG_KEY] = config
     app[REGISTRY_KEY] = CollectorRegistry()
-    app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(functools.partial(_engine_ctx, engine_client=engine_client))
     app.cleanup_ctx.append(_stats_log_ctx)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -94,12 +104,16 @@ def create_app(config: ServerConfig) -> web.Application:
     return app
 
 
-async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _engine_ctx(
+    app: web.Application, *, engine_client: EngineClient | None
+) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    metrics = EngineMetrics(app[REGISTRY_KEY], config.served_model_name)
-    engine = AsyncLLM(
-        config.engine, metrics=metrics, max_waiting_requests=config.max_waiting_requests
-    )
+    engine = engine_client
+    if engine is None:
+        metrics = EngineMetrics(app[REGISTRY_KEY], config.served_model_name)
+        engine = AsyncLLM(
+            config.engine, metrics=metrics, max_waiting_requests=config.max_waiting_requests
+        )
     try:
         await engine.start(config.startup_timeout_s)
     except BaseException:
@@ -135,11 +149,11 @@ async def _stats_log_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[SERVING_KEY].completions(request)
+    return await create_completion(request.app[SERVING_KEY], request)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    return await request.app[SERVING_KEY].chat(request)
+    return await create_chat_completion(request.app[SERVING_KEY], request)
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -1,95 +1,52 @@
-"""A real `python -m fleetserve.server` process on the bundled model, shared per module."""
+"""Fixtures of the in-process server tests: the bundled model's config and tokenizer (no
+weights are loaded) and a factory of apps over a `FakeEngineClient`."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-import requests
+import pytest
+from aiohttp import web
 
-API_KEY = "test-key"
-MAX_MODEL_LEN = 512
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.tokenizer import load_tokenizer
+from fleetserve.server.app import ServerConfig, create_app
+from tests.server.fake_engine import IN_PROCESS_MAX_MODEL_LEN, MODEL_NAME, FakeEngineClient
 
 
-@dataclass
-class ServerHandle:
-    base_url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    model_path: str
-    model_name: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
-
-    def engine_core_pid(self) -> int:
-        match = re.search(r"engine core process (\d+) ready", self.log_path.read_text())
-        assert match, "the server did not log its engine core pid"
-        return int(match.group(1))
-
-    def metrics(self) -> dict[str, float]:
-        """Sample name (with labels stripped) → value, from GET /metrics."""
-        text = requests.get(f"{self.base_url}/metrics", timeout=10).text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name_labels, value = line.rsplit(" ", 1)
-            name = name_labels.split("{", 1)[0]
-            labels = name_labels[len(name) :]
-            key = name if "le=" not in labels else f"{name}{labels}"
-            values[key] = float(value)
-        return values
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_server(tmp_path: Path, *extra_args: str) -> Iterator[ServerHandle]:
+@pytest.fixture(scope="session")
+def engine_config() -> EngineConfig:
     from fleetserve.engine.models.bundled import bundled_model_path
 
-    model = str(bundled_model_path())
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "fleetserve.server", model, "--port", str(port),
-         "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-         "--stats-log-interval", "1", *extra_args],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    handle = ServerHandle(f"http://127.0.0.1:{port}", process, log_path, model, Path(model).name)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, f"server exited:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "server did not become healthy in 300 s"
-            try:
-                if requests.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        yield handle
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    return EngineConfig.create(
+        str(bundled_model_path()), device="cpu", max_model_len=IN_PROCESS_MAX_MODEL_LEN
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine_config: EngineConfig) -> Any:
+    return load_tokenizer(engine_config.model.model)
+
+
+@pytest.fixture
+def fake_engine(engine_config: EngineConfig, tokenizer: Any) -> FakeEngineClient:
+    return FakeEngineClient(engine_config, tokenizer)
+
+
+@pytest.fixture
+def make_app(
+    engine_config: EngineConfig, fake_engine: FakeEngineClient
+) -> Callable[..., web.Application]:
+    """`make_app(api_key=...)`: an app serving `fake_engine` (stats log off)."""
+
+    def make(**server_fields: Any) -> web.Application:
+        config = ServerConfig(
+            engine=engine_config,
+            served_model_name=MODEL_NAME,
+            stats_log_interval_s=0,
+            **server_fields,
+        )
+        return create_app(config, engine_client=fake_engine)
+
+    return make

@@ -5,7 +5,7 @@ Lifecycle (ARCHITECTURE.md §1):
 1. The API server binds a PUSH socket (requests in) and a PULL socket (outputs out) and spawns
    `run_engine_core` with the "spawn" start method (torch and fork do not mix).
 2. The core process connects, builds the `EngineCore` (loads the model) and sends `ReadyMessage`
-   (or `FailedMessage` with the error text, then exits).
+   (or `FailedMessage` with the error text, then exits). The messages are in `messages.py`.
 3. Busy loop: drain the input socket (adds, aborts, stops; non-blocking while there is work, a
    blocking poll when idle), run one `step()`, and send the step's outputs together with the
    scheduler's stats and the first-scheduled times of requests that started running.
@@ -27,66 +27,22 @@ import msgspec
 import zmq
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from fleetserve.engine.core.messages import (
+    AbortMessage,
+    AddRequestMessage,
+    CoreOutputs,
+    FailedMessage,
+    InputMessage,
+    ReadyMessage,
+    StopMessage,
+)
+from fleetserve.engine.core.outputs import EngineCoreOutput
 from fleetserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500
 """Blocking poll when idle; also how often an idle core checks that its parent still lives."""
-
-
-class AddRequestMessage(msgspec.Struct, tag="add"):
-    """A validated request (an `n > 1` request arrives as n children)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    """`SamplingParams.to_dict()`."""
-    eos_token_ids: list[int]
-    arrival_time: float
-    """`time.monotonic()` in the API server (CLOCK_MONOTONIC is shared by the processes)."""
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-class AbortMessage(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class StopMessage(msgspec.Struct, tag="stop"):
-    """Finish requests whose stop string the front end matched (FINISHED_STOPPED)."""
-
-    request_ids: list[str]
-
-
-class ShutdownMessage(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-InputMessage = AddRequestMessage | AbortMessage | StopMessage | ShutdownMessage
-
-
-class ReadyMessage(msgspec.Struct, tag="ready"):
-    pid: int
-
-
-class FailedMessage(msgspec.Struct, tag="failed"):
-    error: str
-
-
-class OutputsMessage(msgspec.Struct, tag="outputs"):
-    """One step's results; also sent without outputs when only the stats changed."""
-
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-    scheduled_times: dict[str, float] = msgspec.field(default_factory=dict)
-    """Request id → monotonic time of the step that first scheduled it (for queue time)."""
-    rejected: dict[str, str] = msgspec.field(default_factory=dict)
-    """Request id → error text, for adds the core refused (the front end validates first)."""
-
-
-OutputMessage = ReadyMessage | FailedMessage | OutputsMessage
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -216,7 +172,7 @@ class _EngineLoop:
         self._send(outputs, newly_scheduled)
 
     def _send(self, outputs: list[EngineCoreOutput], scheduled_times: dict[str, float]) -> None:
-        message = OutputsMessage(
+        message = CoreOutputs(
             outputs=outputs,
             stats=self.core.make_stats(),
             scheduled_times=scheduled_times,

@@ -254,7 +254,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
@@ -391,7 +391,7 @@ class Scheduler:
                     prompt_logprobs=request.prompt_logprobs_rows,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_cached_tokens=request.num_cached_tokens or 0,
                 )
             )
             request.prompt_logprobs_rows = None

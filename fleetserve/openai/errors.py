@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never a traceback.
 
 Handlers raise `RequestError`; `error_middleware` turns it (and aiohttp's own HTTP errors, and
-any unexpected exception) into the JSON body with the right status. `auth_middleware` enforces
-the optional bearer token on the `/v1` routes.
+any unexpected exception) into the JSON body with the right status. `make_auth_middleware`
+enforces the optional bearer token on the `/v1` routes. aiohttp and pydantic only: the router
+answers with the same bodies.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
-from fleetserve.server.protocol import ErrorInfo, ErrorResponse
+from fleetserve.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,13 @@
-"""`AsyncLLM`: the engine-core client inside the API server process.
+"""`AsyncLLM`: the engine-core client inside the API server process (an `EngineClient`).
 
 It spawns the EngineCore process (`engine_core_proc.run_engine_core`), sends it requests over a
 ZMQ PUSH socket and reads its outputs from a PULL socket in one asyncio task, which detokenizes
 them (`OutputProcessor`, DELTA mode), feeds the metrics and routes each `RequestOutput` to the
-queue of the request's `generate()` generator.
+queue of the request's `generate()` generator. From the core's package it uses only the wire
+messages (`core/messages.py`) and the process entry point it spawns.
+
+Its own state is keyed by the client's request id (the parent of an `n > 1` request); the
+children, their ids and which of them still wait are the `OutputProcessor`'s to know.
 
 Guarantees:
 - Leaving `generate()` before the request finished (client disconnect, handler cancelled) aborts
@@ -31,21 +35,22 @@ import zmq
 import zmq.asyncio
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.core.engine_core_proc import (
+from fleetserve.engine.core.engine_core_proc import run_engine_core
+from fleetserve.engine.core.messages import (
     AbortMessage,
     AddRequestMessage,
+    CoreMessage,
+    CoreOutputs,
     FailedMessage,
     InputMessage,
-    OutputMessage,
-    OutputsMessage,
     ReadyMessage,
     ShutdownMessage,
     StopMessage,
-    run_engine_core,
 )
+from fleetserve.engine.engine_client import EngineDeadError, EngineOverloadedError
 from fleetserve.engine.metrics import EngineMetrics, StatsLogger
 from fleetserve.engine.output_processor import OutputKind, OutputProcessor
-from fleetserve.engine.outputs import RequestOutput
+from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from fleetserve.engine.validation import validate_prompt
@@ -55,32 +60,21 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
+
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is not running; the request cannot complete."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests wait already; retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
 class _RequestState:
-    """API-side bookkeeping of one live request (parent id)."""
+    """API-side bookkeeping of one live request (by the client's id): its output queue and
+    the timeline its latency metrics come from."""
 
-    child_ids: list[str]
     num_prompt_tokens: int
     arrival_time: float
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    queue_time_recorded: bool = False
 
 
 class AsyncLLM:
@@ -104,9 +98,6 @@ class AsyncLLM:
         )
         self._processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _RequestState] = {}
-        self._child_to_parent: dict[str, str] = {}
-        self._unscheduled: set[str] = set()
-        """Child ids added but not yet scheduled by the core: the waiting sequences."""
         self._dead = False
         self._proc: BaseProcess | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="fleetserve-zmq-")
@@ -117,7 +108,7 @@ class AsyncLLM:
         self._output = self._async_ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._output_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -184,7 +175,7 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._unscheduled)
+        return self._processor.num_unscheduled
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -203,8 +194,9 @@ class AsyncLLM:
 
         Validation and admission happen before this returns, so a caller can still answer
         with an HTTP error. Admission is decided once per client request: the later prompts of
-        a batch pass `admit=False`, so a batch is admitted or refused as a whole. Leaving the iteration early aborts the request; callers that might
-        never start iterating should call `abort(request_id)` in a `finally` (a no-op once done).
+        a batch pass `admit=False`, so a batch is admitted or refused as a whole. Leaving the
+        iteration early aborts the request; callers that might never start iterating should
+        call `abort(request_id)` in a `finally` (a no-op once done).
 
         Raises:
             ValueError: the prompt or params are invalid for this engine.
@@ -237,22 +229,17 @@ class AsyncLLM:
         """Raise when the engine cannot take another request now (dead or overloaded)."""
         if not self.is_healthy:
             raise EngineDeadError("the engine core process is not running")
-        if len(self._unscheduled) >= self.max_waiting_requests:
+        if self.num_waiting >= self.max_waiting_requests:
             raise EngineOverloadedError(
-                f"the server is overloaded: {len(self._unscheduled)} requests are waiting "
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
                 f"(max_waiting_requests={self.max_waiting_requests}); retry later",
                 retry_after_s=1,
             )
 
     def abort(self, request_id: str) -> None:
         """Forget a request and abort its sequences in the core (no-op when unknown)."""
-        state = self._requests.pop(request_id, None)
+        self._requests.pop(request_id, None)
         child_ids = self._processor.abort_request(request_id)
-        if state is not None:
-            child_ids = child_ids or state.child_ids
-            for child_id in state.child_ids:
-                self._child_to_parent.pop(child_id, None)
-                self._unscheduled.discard(child_id)
         if child_ids and not self._dead:
             self._send(AbortMessage(request_ids=child_ids))
 
@@ -269,11 +256,9 @@ class AsyncLLM:
         children = self._processor.add_request(
             request_id, prompt, prompt_token_ids, params, kind=OutputKind.DELTA
         )
-        state = _RequestState(list(children), len(prompt_token_ids), arrival_time)
+        state = _RequestState(len(prompt_token_ids), arrival_time)
         self._requests[request_id] = state
         for child_id, child_params in children.items():
-            self._child_to_parent[child_id] = request_id
-            self._unscheduled.add(child_id)
             self._send(
                 AddRequestMessage(
                     request_id=child_id,
@@ -295,24 +280,23 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         while True:
             message = self._decoder.decode(await self._output.recv())
-            if isinstance(message, OutputsMessage):
+            if isinstance(message, CoreOutputs):
                 self._handle_outputs(message)
             else:
                 logger.warning("ignoring unexpected engine core message %r", message)
 
-    def _handle_outputs(self, message: OutputsMessage) -> None:
+    def _handle_outputs(self, message: CoreOutputs) -> None:
         now = time.monotonic()
         self.metrics.record_scheduler_stats(message.stats)
         self.stats_logger.last_stats = message.stats
         for child_id, error in message.rejected.items():
-            parent_id = self._child_to_parent.get(child_id)
+            parent_id = self._processor.parent_id_of(child_id)
             if parent_id is not None:
                 self._fail(parent_id, ValueError(error))
         for child_id, scheduled_time in message.scheduled_times.items():
-            self._unscheduled.discard(child_id)
-            state = self._requests.get(self._child_to_parent.get(child_id, ""))
-            if state is not None and not state.queue_time_recorded:
-                state.queue_time_recorded = True
+            parent_id = self._processor.record_scheduled(child_id)
+            state = self._requests.get(parent_id) if parent_id is not None else None
+            if state is not None:
                 self.metrics.request_queue_time.observe(
                     max(0.0, scheduled_time - state.arrival_time)
                 )
@@ -328,7 +312,7 @@ class AsyncLLM:
             self._record_output(state, output, now)
             state.queue.put_nowait(output)
             if output.finished:
-                self._forget(output.request_id)
+                del self._requests[output.request_id]
 
     def _record_output(self, state: _RequestState, output: RequestOutput, now: float) -> None:
         metrics = self.metrics
@@ -347,14 +331,6 @@ class AsyncLLM:
         if output.finished:
             metrics.e2e_request_latency.observe(now - state.arrival_time)
 
-    def _forget(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return
-        for child_id in state.child_ids:
-            self._child_to_parent.pop(child_id, None)
-            self._unscheduled.discard(child_id)
-
     def _fail(self, request_id: str, error: BaseException) -> None:
         state = self._requests.get(request_id)
         if state is None:
@@ -363,9 +339,9 @@ class AsyncLLM:
         state.queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id, state in list(self._requests.items()):
+        requests, self._requests = self._requests, {}
+        for request_id, state in requests.items():
             self._processor.abort_request(request_id)
-            self._forget(request_id)
             state.queue.put_nowait(error)
 
     def _on_core_exit(self) -> None:

@@ -10,14 +10,14 @@ import msgspec
 import pytest
 import zmq
 
-from fleetserve.engine.core.engine_core_proc import (
+from fleetserve.engine.core.engine_core_proc import _EngineLoop
+from fleetserve.engine.core.messages import (
     AbortMessage,
     AddRequestMessage,
+    CoreMessage,
+    CoreOutputs,
     InputMessage,
-    OutputMessage,
-    OutputsMessage,
     ShutdownMessage,
-    _EngineLoop,
 )
 from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists, SchedulerStats
 from fleetserve.engine.sampling_params import SamplingParams
@@ -110,17 +110,17 @@ def test_loop_streams_outputs_with_stats_and_scheduled_times(
     loop_sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes], FakeCore],
 ) -> None:
     to_core, from_core, _ = loop_sockets
-    decoder = msgspec.msgpack.Decoder(OutputMessage)
+    decoder = msgspec.msgpack.Decoder(CoreMessage)
     to_core.send(_add("a", 2))
     first = decoder.decode(from_core.recv())
-    assert isinstance(first, OutputsMessage)
+    assert isinstance(first, CoreOutputs)
     assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in first.outputs] == [
         ("a", [7], None)
     ]
     assert list(first.scheduled_times) == ["a"]
     assert first.stats == SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5)
     second = decoder.decode(from_core.recv())
-    assert isinstance(second, OutputsMessage)
+    assert isinstance(second, CoreOutputs)
     assert [(o.req_id, o.finish_reason) for o in second.outputs] == [("a", "length")]
     assert second.scheduled_times == {}
 
@@ -129,30 +129,30 @@ def test_duplicate_add_is_rejected_and_abort_reaches_the_core(
     loop_sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes], FakeCore],
 ) -> None:
     to_core, from_core, core = loop_sockets
-    decoder = msgspec.msgpack.Decoder(OutputMessage)
+    decoder = msgspec.msgpack.Decoder(CoreMessage)
     to_core.send(_add("a", 1000))
     to_core.send(_add("a", 1000))
     rejected: dict[str, str] = {}
     while not rejected:
         message = decoder.decode(from_core.recv())
-        assert isinstance(message, OutputsMessage)
+        assert isinstance(message, CoreOutputs)
         rejected = message.rejected
     assert "already in use" in rejected["a"]
     to_core.send(msgspec.msgpack.encode(AbortMessage(request_ids=["a"])))
     while True:
         message = decoder.decode(from_core.recv())
-        assert isinstance(message, OutputsMessage)
+        assert isinstance(message, CoreOutputs)
         if message.stats.num_running_reqs == 0:
             break
     assert core.aborted == ["a"]
 
 
 def test_outputs_with_logprobs_round_trip() -> None:
-    message = OutputsMessage(
+    message = CoreOutputs(
         outputs=[EngineCoreOutput("x", [3, 4], LogprobsLists([[3, 1]], [[-0.1, -2.5]], [1]),
                                   finish_reason="stop", stop_reason=4, num_cached_tokens=16)],
         stats=SchedulerStats(2, 1, 0.25, 64, 32, 1),
         scheduled_times={"x": 12.5},
     )  # fmt: skip
-    decoded = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.encode(message))
+    decoded = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(message))
     assert decoded == message

@@ -2,8 +2,9 @@
 
 Requests also accept vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`);
-unknown fields are ignored, as vLLM does. `to_sampling_params` turns a request into
-`SamplingParams`, whose own validation raises `ValueError` naming the bad field.
+unknown fields are ignored, as vLLM does. The models only describe the bodies: the engine's
+server turns a request into its `SamplingParams` (`fleetserve/server/sampling.py`), so this
+module loads without the engine and the router can validate and forward the same bodies.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from fleetserve.engine.sampling_params import SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -103,37 +102,6 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
 
-    def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
-    ) -> SamplingParams:
-        """Raises ValueError naming the field on bad values (e.g. "max_tokens must be ...")."""
-        logit_bias: dict[int, float] | None = None
-        if self.logit_bias:
-            try:
-                logit_bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError as exc:
-                raise ValueError("logit_bias keys must be token ids (integers)") from exc
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            logit_bias=logit_bias,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-        )
-
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -174,11 +142,6 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty (nor hold an empty prompt)")
         return batch
 
-    def to_sampling_params(self) -> SamplingParams:
-        """`echo` with `logprobs` also asks for the prompt's logprobs (echoed before the output's)."""
-        prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
-
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -187,18 +150,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens` (room left in the context) applies when no limit is given."""
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
 
 
 class TokenizeRequest(OpenAIModel):

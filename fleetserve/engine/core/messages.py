@@ -1,0 +1,89 @@
+"""The wire format between the API server process and the EngineCore process (msgpack via msgspec).
+
+The only engine-core module the API process touches: `AsyncLLM` sends `InputMessage`s on its
+PUSH socket and decodes `CoreMessage`s from its PULL socket; `engine_core_proc` does the
+reverse. Every message is a tagged `msgspec.Struct`, so each union decodes to the right type.
+Ids are the core's request ids (an `n > 1` request's children, not the client's parent id).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
+
+__all__ = [
+    "AbortMessage",
+    "AddRequestMessage",
+    "CoreMessage",
+    "CoreOutputs",
+    "FailedMessage",
+    "InputMessage",
+    "ReadyMessage",
+    "ShutdownMessage",
+    "StopMessage",
+]
+
+# -- API server → core ------------------------------------------------------------------------
+
+
+class AddRequestMessage(msgspec.Struct, tag="add"):
+    """A validated request (an `n > 1` request arrives as n children)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    """`SamplingParams.to_dict()`."""
+    eos_token_ids: list[int]
+    arrival_time: float
+    """`time.monotonic()` in the API server (CLOCK_MONOTONIC is shared by the processes)."""
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortMessage(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class StopMessage(msgspec.Struct, tag="stop"):
+    """Finish requests whose stop string the front end matched (FINISHED_STOPPED)."""
+
+    request_ids: list[str]
+
+
+class ShutdownMessage(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+InputMessage = AddRequestMessage | AbortMessage | StopMessage | ShutdownMessage
+
+# -- core → API server ------------------------------------------------------------------------
+
+
+class ReadyMessage(msgspec.Struct, tag="ready"):
+    """The model is loaded; the first message of a core that started."""
+
+    pid: int
+
+
+class FailedMessage(msgspec.Struct, tag="failed"):
+    """The core could not start (the only message it sends before exiting)."""
+
+    error: str
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    """One step's results; also sent without outputs when only the stats changed."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    scheduled_times: dict[str, float] = msgspec.field(default_factory=dict)
+    """Request id → monotonic time of the step that first scheduled it (for queue time)."""
+    rejected: dict[str, str] = msgspec.field(default_factory=dict)
+    """Request id → error text, for adds the core refused (the front end validates first)."""
+
+
+CoreMessage = ReadyMessage | FailedMessage | CoreOutputs
+"""Everything the core sends: `ReadyMessage` or `FailedMessage` once, then `CoreOutputs`."""

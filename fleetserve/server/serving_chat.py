@@ -1,0 +1,135 @@
+"""POST /v1/chat/completions: messages through the chat template, chat-shaped choices.
+
+`create_chat_completion` renders the conversation (`engine/chat.py`), sizes the default
+`max_tokens` to the context left after the prompt and hands the request to the shared
+pipeline (`serving.py`); `ChatFormat` shapes messages, deltas and chat logprobs. A stream
+opens with one role chunk per choice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from fleetserve.engine.chat import apply_chat_template
+from fleetserve.engine.logprobs import chat_logprobs
+from fleetserve.engine.request_output import CompletionOutput, Logprob
+from fleetserve.openai.errors import RequestError, parse_body, value_error
+from fleetserve.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from fleetserve.server.sampling import chat_sampling_params
+from fleetserve.server.serving import ChoiceState, OpenAIServing, PreparedRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["ChatFormat", "create_chat_completion"]
+
+
+async def create_chat_completion(
+    serving: OpenAIServing, request: web.Request
+) -> web.StreamResponse:
+    """The chat endpoint: 400 (naming the field) for a bad body, else JSON or SSE."""
+    body = await parse_body(request, ChatCompletionRequest)
+    serving.check_model(body.model)
+    try:
+        prompt_ids = apply_chat_template(
+            serving.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+        )
+    except ValueError as exc:
+        raise RequestError(400, str(exc), param="messages") from exc
+    context_left = max(1, serving.max_model_len - len(prompt_ids))
+    try:
+        params = chat_sampling_params(body, default_max_tokens=context_left)
+    except ValueError as exc:
+        raise value_error(exc) from exc
+    prepared = serving.prepare(request, body, [(prompt_ids, None)], params, "chatcmpl")
+    response_format = ChatFormat(serving.tokenizer, serving.model_name)
+    return await serving.respond(request, prepared, response_format)
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
+        want_ids = prepared.body.return_token_ids
+        return ChatCompletionResponse(
+            id=prepared.request_id,
+            model=self.model_name,
+            usage=usage,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=ChatMessage(role="assistant", content=choice.text),
+                    logprobs=self._logprobs(prepared, choice.token_ids, choice.logprobs),
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    prompt_token_ids=prepared.prompt_of(i).token_ids if want_ids else None,
+                    token_ids=choice.token_ids if want_ids else None,
+                )
+                for i, choice in enumerate(choices)
+            ],
+        ).model_dump_json()
+
+    def first_chunks(self, prepared: PreparedRequest) -> list[str]:
+        want_ids = prepared.body.return_token_ids
+        return [
+            ChatCompletionStreamResponse(
+                id=prepared.request_id,
+                model=self.model_name,
+                choices=[
+                    ChatCompletionStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(role="assistant", content=""),
+                        prompt_token_ids=prepared.prompt_of(i).token_ids if want_ids else None,
+                    )
+                ],
+            ).model_dump_json()
+            for i in range(prepared.num_choices)
+        ]
+
+    def chunk(
+        self,
+        prepared: PreparedRequest,
+        choice_index: int,
+        delta: CompletionOutput,
+        usage: UsageInfo | None,
+    ) -> str | None:
+        if not (delta.text or delta.finish_reason or delta.token_ids):
+            return None
+        choice = ChatCompletionStreamChoice(
+            index=choice_index,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=self._logprobs(prepared, delta.token_ids, delta.logprobs or []),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            token_ids=delta.token_ids if prepared.body.return_token_ids else None,
+        )
+        return ChatCompletionStreamResponse(
+            id=prepared.request_id, model=self.model_name, choices=[choice], usage=usage
+        ).model_dump_json()
+
+    def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
+        return ChatCompletionStreamResponse(
+            id=prepared.request_id, model=self.model_name, choices=[], usage=usage
+        ).model_dump_json()
+
+    def _logprobs(
+        self, prepared: PreparedRequest, token_ids: list[int], entries: list[dict[int, Logprob]]
+    ) -> ChatLogprobs | None:
+        if prepared.params.logprobs is None:
+            return None
+        top_k = max(prepared.params.logprobs, 0)
+        return chat_logprobs(token_ids, entries, top_k, self.tokenizer)

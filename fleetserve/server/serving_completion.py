@@ -1,0 +1,164 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), `echo`, completion logprobs.
+
+`create_completion` parses the body, encodes each prompt and hands the request to the shared
+pipeline (`serving.py`); `CompletionFormat` shapes its choices: the echoed prompt goes before
+a choice's first text (with its prompt logprobs first when `echo` and `logprobs` are set), and
+`text_offset`s run on across the chunks of a stream.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from fleetserve.engine.logprobs import LogprobRow, completion_logprobs
+from fleetserve.engine.request_output import CompletionOutput, Logprob
+from fleetserve.engine.tokenizer import encode_prompt
+from fleetserve.openai.errors import parse_body, value_error
+from fleetserve.openai.protocol import (
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from fleetserve.server.sampling import completion_sampling_params
+from fleetserve.server.serving import ChoiceState, OpenAIServing, PreparedRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["CompletionFormat", "create_completion"]
+
+
+async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
+    """The completions endpoint: 400 (naming the field) for a bad body, else JSON or SSE."""
+    body = await parse_body(request, CompletionRequest)
+    serving.check_model(body.model)
+    try:
+        prompts = body.prompt_list()
+    except ValueError as exc:
+        raise value_error(exc, "prompt") from exc
+    encoded: list[tuple[list[int], str | None]] = [
+        (encode_prompt(serving.tokenizer, p), p) if isinstance(p, str) else (list(p), None)
+        for p in prompts
+    ]
+    try:
+        params = completion_sampling_params(body)
+    except ValueError as exc:
+        raise value_error(exc) from exc
+    prepared = serving.prepare(request, body, encoded, params, "cmpl")
+    response_format = CompletionFormat(serving.tokenizer, serving.model_name)
+    return await serving.respond(request, prepared, response_format)
+
+
+class CompletionFormat:
+    """Per request: it keeps each choice's text offset across stream chunks."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._text_offsets: dict[int, int] = {}
+        self._started: set[int] = set()
+
+    def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
+        want_ids = prepared.body.return_token_ids
+        return CompletionResponse(
+            id=prepared.request_id,
+            model=self.model_name,
+            usage=usage,
+            choices=[
+                CompletionResponseChoice(
+                    index=i,
+                    text=self._echo(prepared, i) + choice.text,
+                    logprobs=self._logprobs(
+                        prepared, i, choice.token_ids, choice.logprobs, with_prompt=True
+                    ),
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    prompt_token_ids=prepared.prompt_of(i).token_ids if want_ids else None,
+                    token_ids=choice.token_ids if want_ids else None,
+                )
+                for i, choice in enumerate(choices)
+            ],
+        ).model_dump_json()
+
+    def first_chunks(self, prepared: PreparedRequest) -> list[str]:
+        return []
+
+    def chunk(
+        self,
+        prepared: PreparedRequest,
+        choice_index: int,
+        delta: CompletionOutput,
+        usage: UsageInfo | None,
+    ) -> str | None:
+        if not (delta.text or delta.finish_reason or delta.token_ids):
+            return None
+        want_ids = prepared.body.return_token_ids
+        first = choice_index not in self._started
+        self._started.add(choice_index)
+        choice = CompletionResponseChoice(
+            index=choice_index,
+            text=(self._echo(prepared, choice_index) if first else "") + delta.text,
+            logprobs=self._logprobs(
+                prepared, choice_index, delta.token_ids, delta.logprobs or [], with_prompt=first
+            ),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            # The prompt's ids (and its echo) go with each choice's first chunk only.
+            prompt_token_ids=(
+                prepared.prompt_of(choice_index).token_ids if want_ids and first else None
+            ),
+            token_ids=delta.token_ids if want_ids else None,
+        )
+        return CompletionStreamResponse(
+            id=prepared.request_id, model=self.model_name, choices=[choice], usage=usage
+        ).model_dump_json()
+
+    def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
+        return CompletionStreamResponse(
+            id=prepared.request_id, model=self.model_name, choices=[], usage=usage
+        ).model_dump_json()
+
+    @staticmethod
+    def _echoes(prepared: PreparedRequest) -> bool:
+        return isinstance(prepared.body, CompletionRequest) and prepared.body.echo
+
+    def _echo(self, prepared: PreparedRequest, choice_index: int) -> str:
+        """The prompt's text when the request asked for `echo` (decoded if sent as ids)."""
+        if not self._echoes(prepared):
+            return ""
+        prompt = prepared.prompt_of(choice_index)
+        if prompt.text is not None:
+            return prompt.text
+        return str(self.tokenizer.decode(prompt.token_ids))
+
+    def _logprobs(
+        self,
+        prepared: PreparedRequest,
+        choice_index: int,
+        token_ids: list[int],
+        entries: list[dict[int, Logprob]],
+        *,
+        with_prompt: bool,
+    ) -> CompletionLogprobs | None:
+        """The logprobs of `token_ids`; with `with_prompt` (echo), the prompt's come first
+        (the first prompt token has none: nothing precedes it)."""
+        if prepared.params.logprobs is None:
+            return None
+        rows: list[LogprobRow] = []
+        if with_prompt and self._echoes(prepared):
+            prompt_entries = prepared.prompt_logprobs.get(choice_index // prepared.params.n) or []
+            rows += [
+                (token_id, prompt_entries[pos] if pos < len(prompt_entries) else None)
+                for pos, token_id in enumerate(prepared.prompt_of(choice_index).token_ids)
+            ]
+        rows += zip(token_ids, entries, strict=False)
+        top_k = max(prepared.params.logprobs, 0)
+        result, self._text_offsets[choice_index] = completion_logprobs(
+            rows, top_k, self.tokenizer, self._text_offsets.get(choice_index, 0)
+        )
+        return result
