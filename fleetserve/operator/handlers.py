@@ -66,16 +66,20 @@ def _reconcile_live(state: OperatorState, namespace: str, name: str) -> None:
         _reconcile_body(state, body)
 
 
-def _reconcile(state: OperatorState, namespace: str, name: str, body: Any = None) -> None:
+def _reconcile(
+    state: OperatorState, namespace: str, name: str, body: dict[str, Any] | None = None
+) -> None:
     """Reconcile now (from `body` when the event carried it); on failure retry the live object."""
 
     def live() -> None:
         _reconcile_live(state, namespace, name)
 
-    def now() -> None:
-        _reconcile_body(state, body) if body is not None else live()
+    def from_event() -> None:
+        assert body is not None
+        _reconcile_body(state, body)
 
-    state.retries.run(f"reconcile {namespace}/{name}", now, again=live)
+    key = f"reconcile {namespace}/{name}"
+    state.retries.run(key, from_event if body is not None else live, again=live)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -16,6 +16,8 @@ from urllib.parse import quote, urlencode
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from fleetserve.api.models import API_VERSION, PLURAL
+
 __all__ = ["FIELD_MANAGER", "Kube", "resource_path"]
 
 FIELD_MANAGER = "fleetserve-operator"
@@ -26,7 +28,7 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "Pod": ("/api/v1", "pods"),
         "StatefulSet": ("/apis/apps/v1", "statefulsets"),
         "Deployment": ("/apis/apps/v1", "deployments"),
-        "InferenceDeployment": ("/apis/fleetserve.io/v1alpha1", "inferencedeployments"),
+        "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
     }
 )
 

@@ -124,19 +124,28 @@ def _problem(exc: ValueError) -> SpecProblem:
 
 
 def _write_status(
-    kube: Kube, body: dict[str, Any], status: dict[str, Any], result: ReconcileResult
+    kube: Kube,
+    body: dict[str, Any],
+    status: dict[str, Any],
+    result: ReconcileResult,
+    *,
+    drop_other_roles: bool,
 ) -> bool:
-    """Patch `status` unless the live status already holds it; True when written."""
+    """Patch `status` unless the live status already holds it; True when written.
+
+    With `drop_other_roles`, roles in the live status that `status` does not list are removed
+    (a merge patch keeps map keys it does not name, so they are set to null).
+    """
     meta = body["metadata"]
     previous = body.get("status") or {}
     result.status = status
     if is_subset(status, previous):
         return False
     patch = dict(status)
-    # NOTE: a merge patch keeps map keys it does not name: null out roles the spec dropped.
-    gone = {name: None for name in previous.get("roles") or {} if name not in status["roles"]}
-    if gone and "roles" in status:
-        patch["roles"] = {**gone, **status["roles"]}
+    roles = status.get("roles") or {}
+    gone = {name: None for name in previous.get("roles") or {} if name not in roles}
+    if drop_other_roles and gone:
+        patch["roles"] = {**gone, **roles}
     kube.patch_status("InferenceDeployment", meta["namespace"], meta["name"], patch)
     result.status_written = True
     return True
@@ -159,7 +168,7 @@ def _fail(
         now=now,
         role_hashes=role_hashes,
     )
-    if _write_status(kube, body, status, result):
+    if _write_status(kube, body, status, result, drop_other_roles=False):
         result.events.append(("Warning", problem.reason, problem.message))
     return result
 
@@ -234,7 +243,8 @@ def _converge(
         previous=previous,
         now=now,
     )
-    if _write_status(kube, body, status, result) and status["phase"] != previous.get("phase"):
+    written = _write_status(kube, body, status, result, drop_other_roles=True)
+    if written and status["phase"] != previous.get("phase"):
         result.events.append(("Normal", "Phase", f"phase {status['phase']}"))
     return result
 

@@ -112,7 +112,8 @@ def test_api_imports_neither_torch_nor_kopf_and_operator_no_torch() -> None:
     import sys
 
     code = (
-        "import sys, fleetserve.api.crd, fleetserve.api.compat;"
+        "import sys, fleetserve.api.crd, fleetserve.api.compat, fleetserve.api.labels,"
+        " fleetserve.api.router_config;"
         "assert not {'torch', 'kopf'} & set(sys.modules), 'api';"
         "import fleetserve.operator.handlers;"
         "assert 'torch' not in sys.modules, 'operator'"

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fleetserve.api import labels
 from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
 from fleetserve.api.models import InferenceDeploymentSpec, KVTransfer
 from fleetserve.api.router_config import RouterConfig
@@ -327,3 +328,28 @@ def test_each_role_labels_its_pods_with_its_own_hash() -> None:
 def test_unrealisable_specs_raise_value_error(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         build_children(_spec(**overrides), OWNER)
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_labels_and_annotations_are_the_api_constants(sample: str) -> None:
+    """The operator writes only the keys of fleetserve.api.labels (what the router selects by)."""
+    keys = {getattr(labels, n) for n in labels.__all__ if n.startswith(("LABEL_", "ANNOTATION_"))}
+    spec = _sample(sample)
+    for child in build_children(spec, OWNER):
+        metas = [child["metadata"]]
+        if child["kind"] in ("StatefulSet", "Deployment"):
+            metas.append(child["spec"]["template"]["metadata"])
+            assert set(child["spec"]["selector"]["matchLabels"]) <= keys
+        for meta in metas:
+            assert set(meta.get("labels", {})) | set(meta.get("annotations", {})) <= keys
+        assert child["metadata"]["labels"][labels.LABEL_DEPLOYMENT] == "d"
+    engine_pods = [
+        c["spec"]["template"] for c in build_children(spec, OWNER) if c["kind"] == "StatefulSet"
+    ]
+    for pod in engine_pods:
+        assert set(pod["metadata"]["labels"]) == {
+            labels.LABEL_DEPLOYMENT,
+            labels.LABEL_ROLE,
+            labels.LABEL_GROUP,
+            labels.LABEL_COMPAT,
+        }

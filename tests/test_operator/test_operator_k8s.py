@@ -315,6 +315,42 @@ def test_restart_converges_and_unchanged_resource_costs_no_writes(
         env.delete_namespace(ns)
 
 
+def test_switching_roles_replaces_their_groups_and_status(operator_env: OperatorEnv) -> None:
+    env = operator_env
+    role = {"replicas": 1, "gpusPerPod": 0}
+    doc = {
+        "apiVersion": "fleetserve.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "switch"},
+        "spec": {
+            "model": {"name": "m", "source": {"uri": "/m"}},
+            "engine": {"cpu": "10m", "memory": "16Mi"},
+            "roles": {"prefill": role, "decode": role},
+        },
+    }
+    ns = env.new_namespace("switch-roles")
+    try:
+        env.apply(ns, doc)
+        poll("Ready as prefill/decode", lambda: _ready(env, ns, "switch"), timeout_s=60)
+        assert set(_status(env, ns, "switch")["roles"]) == {"prefill", "decode"}
+        unified = copy.deepcopy(doc)
+        unified["spec"]["roles"] = {"unified": {**role, "replicas": 2}}
+        unified["spec"]["kvTransfer"] = {"connector": "none"}
+        env.apply(ns, unified)
+        poll("Ready as unified", lambda: _ready(env, ns, "switch"), timeout_s=60)
+        st = _status(env, ns, "switch")
+        assert set(st["roles"]) == {"unified"} and st["roles"]["unified"]["readyReplicas"] == 2
+        poll(
+            "only the unified groups left",
+            lambda: (
+                {n for k, n in _children(env, ns, "switch") if k == "StatefulSet"}
+                == {"switch-unified-0", "switch-unified-1"}
+            ),
+        )
+    finally:
+        env.delete_namespace(ns)
+
+
 def test_rbac_is_sufficient_and_minimal(operator_env: OperatorEnv) -> None:
     events = operator_env.dc.audit_events(username=SA_USER)
     # NOTE: a 403 the authorizer allowed is admission (e.g. an event posted into a namespace the
