@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.operator.cli import register as register_operator
 
     register_operator(sub)
+    from fleetserve.router.cli import register as register_router
+
+    register_router(sub)
     return parser
 
 

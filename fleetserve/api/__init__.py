@@ -1,4 +1,9 @@
-"""The InferenceDeployment contract: models, CRD generation and rank layout (no torch, no kopf)."""
+"""The InferenceDeployment contract (no torch, no kopf).
+
+Models and CRD generation, the rank layout, the KV compatibility hash, the children's label keys
+(`labels`) and the router's config (`router_config`): what the operator, the router and the
+engine share.
+"""
 
 from __future__ import annotations
 

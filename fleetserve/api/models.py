@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
-from fleetserve.api.topology import group_size
+from fleetserve.api.topology import group_size, world_size
 
 __all__ = [
     "API_VERSION",
@@ -31,11 +31,13 @@ __all__ = [
     "ModelSource",
     "ModelSpec",
     "Parallelism",
+    "Phase",
     "Role",
     "RoleScaling",
     "RoleStatus",
     "Roles",
     "RouterSpec",
+    "RouterStatus",
 ]
 
 GROUP = "fleetserve.io"
@@ -107,12 +109,14 @@ class EPLB(_Model):
     policy: Literal["hierarchical", "global"] = "global"
 
 
+_RANKS = "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data"
+
+
 class Role(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
-            "self.gpusPerPod == 0 ? self.parallelism.tensor * self.parallelism.pipeline == 1"
-            " : (self.parallelism.tensor * self.parallelism.pipeline) % self.gpusPerPod == 0",
-            "tensor × pipeline must be a multiple of gpusPerPod (1 when gpusPerPod is 0)",
+            f"self.gpusPerPod == 0 ? {_RANKS} == 1 : ({_RANKS}) % self.gpusPerPod == 0",
+            "tensor × pipeline × data must be a multiple of gpusPerPod (1 when gpusPerPod is 0)",
         )
     )
 
@@ -124,8 +128,18 @@ class Role(_Model):
     tolerations: list[dict[str, str]] = Field(default_factory=list)
 
     @property
+    def world_size(self) -> int:
+        """Ranks in one replica group: tensor × pipeline × data."""
+        p = self.parallelism
+        return world_size(tensor=p.tensor, pipeline=p.pipeline, data=p.data)
+
+    @property
     def group_size(self) -> int:
-        return group_size(self.parallelism.tensor, self.parallelism.pipeline, self.gpus_per_pod)
+        """Pods in one replica group (`fleetserve.api.topology.group_size`)."""
+        p = self.parallelism
+        return group_size(
+            tensor=p.tensor, pipeline=p.pipeline, data=p.data, gpus_per_pod=self.gpus_per_pod
+        )
 
 
 class Roles(_Model):
@@ -149,7 +163,12 @@ class Roles(_Model):
 
 class Disaggregation(_Model):
     mode: Literal["always", "selective", "never"] = "always"
-    min_prompt_tokens: int = Field(default=256, ge=0)
+    min_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="selective mode: send a request through a prefill engine only when at least"
+        " this many of its prompt tokens are not already cached on the chosen decode engine",
+    )
 
 
 class RouterSpec(_Model):
@@ -226,12 +245,14 @@ class InferenceDeploymentSpec(_Model):
     @model_validator(mode="after")
     def _check(self) -> InferenceDeploymentSpec:
         for name, role in self.roles.items():
-            tp_pp = role.parallelism.tensor * role.parallelism.pipeline
-            if (role.gpus_per_pod == 0 and tp_pp != 1) or (
-                role.gpus_per_pod and tp_pp % role.gpus_per_pod
+            ranks = role.world_size
+            if (role.gpus_per_pod == 0 and ranks != 1) or (
+                role.gpus_per_pod and ranks % role.gpus_per_pod
             ):
                 raise ValueError(
-                    f"roles.{name}: tensor × pipeline must be a multiple of gpusPerPod"
+                    f"roles.{name}: tensor × pipeline × data must be a multiple of gpusPerPod"
+                    f" (1 when gpusPerPod is 0), got {ranks} ranks and"
+                    f" gpusPerPod {role.gpus_per_pod}"
                 )
             if not self.model.moe and (role.parallelism.expert or role.eplb.enabled):
                 raise ValueError(f"roles.{name}: expert parallel and EPLB need model.moe: true")
@@ -241,6 +262,11 @@ class InferenceDeploymentSpec(_Model):
         ):
             raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
         return self
+
+
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+"""`Failed`: the operator cannot realise the spec (the Ready condition says why); it stays
+Failed, without retrying, until the spec changes."""
 
 
 class Condition(_Model):
@@ -256,14 +282,28 @@ class RoleStatus(_Model):
     ready_replicas: int = 0
     updated_replicas: int = 0
     group_size: int = 1
+    compatibility_hash: str | None = Field(
+        default=None, description="KV compatibility hash of this role's pods (their label)"
+    )
 
 
+class RouterStatus(_Model):
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+# NOTE: the operator builds this model and writes `model_dump(by_alias=True, exclude_none=True)`
+# (fleetserve.operator.status), and the CRD's status schema is generated from it, so a field
+# cannot exist on one side only (the API server would prune it silently).
 class InferenceDeploymentStatus(_Model):
     model_config = ConfigDict(extra="ignore")
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
+    phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list)
     roles: dict[str, RoleStatus] = Field(default_factory=dict)
+    router: RouterStatus | None = None
     endpoint: str | None = None
-    compatibility_hash: str | None = None
+    compatibility_hash: str | None = Field(
+        default=None, description="the KV compatibility hash every role shares"
+    )

@@ -1,7 +1,7 @@
 """Pure builders: InferenceDeployment spec → the child objects (plain dicts) the operator applies.
 
 Per role, `replicas` groups of `group_size` pods: one StatefulSet + headless Service per group
-(pod 0 leads); one ConfigMap with the rendered engine config; the router Deployment + Service.
+(pod 0 leads); then the router Deployment + Service. Labels come from `fleetserve.api.labels`.
 """
 
 from __future__ import annotations
@@ -11,36 +11,33 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fleetserve.api.compat import compatibility_hash
-from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
-from fleetserve.operator.render import (
-    ENGINE_PORT,
-    MODEL_MOUNT,
-    engine_args,
-    engine_config,
-    engine_env,
+from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
+from fleetserve.api.labels import (
+    ANNOTATION_TEMPLATE_HASH,
+    LABEL_COMPAT,
+    LABEL_DEPLOYMENT,
+    LABEL_GROUP,
+    LABEL_ROLE,
+    ROUTER_ROLE,
+    role_selector,
 )
+from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
+from fleetserve.api.router_config import RouterConfig
+from fleetserve.operator.render import ENGINE_PORT, MODEL_MOUNT, engine_args, engine_env
 
 __all__ = [
-    "LABEL_COMPAT",
-    "LABEL_DEPLOYMENT",
-    "LABEL_GROUP",
-    "LABEL_ROLE",
+    "ROUTER_PORT",
     "Owner",
     "build_children",
-    "build_configmap",
     "build_group_service",
     "build_group_statefulset",
+    "build_router_config",
     "build_router_deployment",
     "build_router_service",
     "group_name",
+    "router_name",
 ]
 
-LABEL_DEPLOYMENT = "fleetserve.io/deployment"
-LABEL_ROLE = "fleetserve.io/role"
-LABEL_GROUP = "fleetserve.io/group"
-LABEL_COMPAT = "fleetserve.io/compatibility-hash"
-ANNOTATION_TEMPLATE_HASH = "fleetserve.io/template-hash"
 ROUTER_PORT = 8080
 
 
@@ -75,6 +72,10 @@ def group_name(deployment: str, role: str, index: int) -> str:
     return f"{deployment}-{role}-{index}"
 
 
+def router_name(deployment: str) -> str:
+    return f"{deployment}-router"
+
+
 def _resources(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
     req = {"cpu": spec.engine.cpu, "memory": spec.engine.memory}
     lim = {"memory": spec.engine.memory}
@@ -91,17 +92,6 @@ def _model_volume(uri: str) -> dict[str, Any] | None:
         path = uri.removeprefix("hostpath://")
         return {"name": "model", "hostPath": {"path": path, "type": "Directory"}}
     return None
-
-
-def build_configmap(spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, Any]:
-    """ConfigMap `<name>-engine` holding `engine.json` (args, rank layout, KV and EPLB per role)."""
-    text = json.dumps(engine_config(spec), indent=2, sort_keys=True)
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": owner.meta(f"{owner.name}-engine", {}),
-        "data": {"engine.json": text},
-    }
 
 
 def build_group_service(owner: Owner, role_name: str, index: int) -> dict[str, Any]:
@@ -124,7 +114,11 @@ def build_group_service(owner: Owner, role_name: str, index: int) -> dict[str, A
 def build_group_statefulset(
     spec: InferenceDeploymentSpec, owner: Owner, role_name: str, role: Role, index: int
 ) -> dict[str, Any]:
-    """StatefulSet of one replica group (`group_size` pods, pod 0 the leader)."""
+    """StatefulSet of one replica group (`group_size` pods, pod 0 the leader).
+
+    Raises:
+        ValueError: an unsupported model URI.
+    """
     name = group_name(owner.name, role_name, index)
     labels = {LABEL_ROLE: role_name, LABEL_GROUP: str(index)}
     leader = f"{name}-0.{name}.{owner.namespace}.svc"
@@ -133,30 +127,24 @@ def build_group_statefulset(
         "image": spec.engine.image,
         "command": list(spec.engine.command),
         "args": engine_args(spec, role_name, role),
-        "env": engine_env(spec, role_name, role, leader),
+        "env": engine_env(spec, role, leader),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
         "resources": _resources(spec, role),
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": ENGINE_PORT},
             "periodSeconds": 5,
         },
-        "volumeMounts": [{"name": "engine-config", "mountPath": "/etc/fleetserve"}],
     }
-    volumes: list[dict[str, Any]] = [
-        {"name": "engine-config", "configMap": {"name": f"{owner.name}-engine"}}
-    ]
+    pod_spec: dict[str, Any] = {"containers": [container]}
     model_volume = _model_volume(spec.model.source.uri)
     if model_volume is not None:
-        volumes.append(model_volume)
-        container["volumeMounts"].append(
-            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        )
+        pod_spec["volumes"] = [model_volume]
+        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
     pod_labels = {
         LABEL_DEPLOYMENT: owner.name,
         **labels,
-        LABEL_COMPAT: compatibility_hash(spec),
+        LABEL_COMPAT: role_compatibility_hashes(spec)[role_name],
     }
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
     if role.node_selector:
         pod_spec["nodeSelector"] = dict(role.node_selector)
     if role.tolerations:
@@ -180,30 +168,46 @@ def build_group_statefulset(
 
 
 def _router_labels() -> dict[str, str]:
-    return {LABEL_ROLE: "router"}
+    return {LABEL_ROLE: ROUTER_ROLE}
+
+
+def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterConfig:
+    """The router's config: the spec's routing fields and how to find this deployment's pods.
+
+    Raises:
+        ValueError: the roles' compatibility hashes differ (`compatibility_hash`).
+    """
+    r = spec.router
+    present = {name for name, _ in spec.roles.items()}
+
+    def selector(role: str) -> str | None:
+        return role_selector(owner.name, role) if role in present else None
+
+    return RouterConfig(
+        mode=r.disaggregation.mode,
+        min_uncached_tokens=r.disaggregation.min_uncached_tokens,
+        prefix_aware=r.prefix_aware,
+        load_aware=r.load_aware,
+        discovery="kubernetes",
+        namespace=owner.namespace,
+        prefill_selector=selector("prefill"),
+        decode_selector=selector("decode"),
+        unified_selector=selector("unified"),
+        compatibility_hash=compatibility_hash(spec),
+        engine_port=ENGINE_PORT,
+        host="0.0.0.0",
+        port=ROUTER_PORT,
+    )
 
 
 def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, Any]:
-    """Router Deployment; it discovers prefill/decode pods by label (and compatibility hash)."""
+    """Router Deployment running `fleetserve router` with `build_router_config`'s arguments."""
     labels = _router_labels()
-    r = spec.router
-    config = {
-        "namespace": owner.namespace,
-        "prefill_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=prefill",
-        "decode_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=decode",
-        "unified_selector": f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_ROLE}=unified",
-        "compatibility_hash": compatibility_hash(spec),
-        "disaggregation": r.disaggregation.model_dump(by_alias=True),
-        "prefix_aware": r.prefix_aware,
-        "load_aware": r.load_aware,
-        "engine_port": ENGINE_PORT,
-    }
     container = {
         "name": "router",
         "image": spec.engine.image,
         "command": list(spec.engine.command),
-        "args": ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
-        "env": [{"name": "FLEETSERVE_ROUTER_CONFIG", "value": json.dumps(config, sort_keys=True)}],
+        "args": ["router", *build_router_config(spec, owner).to_args()],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
     }
@@ -211,9 +215,9 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": owner.meta(f"{owner.name}-router", labels),
+        "metadata": owner.meta(router_name(owner.name), labels),
         "spec": {
-            "replicas": r.replicas,
+            "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": selector}, "spec": {"containers": [container]}},
         },
@@ -236,8 +240,14 @@ def build_router_service(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
-    """Every child object, in apply order (ConfigMap first, router last)."""
-    children = [build_configmap(spec, owner)]
+    """Every child object, in apply order (engine groups first, router last).
+
+    Raises:
+        ValueError: a spec the operator cannot realise (an unsupported model URI, or roles whose
+            compatibility hashes differ); the message says what to change.
+    """
+    compatibility_hash(spec)  # fail before anything is built when the roles cannot pair
+    children: list[dict[str, Any]] = []
     for role_name, role in spec.roles.items():
         for i in range(role.replicas):
             children.append(build_group_service(owner, role_name, i))

@@ -1,7 +1,10 @@
 """kopf handlers: thin wrappers that read the event and call the pure reconcile.
 
 Only `on.event` handlers are used, so kopf writes no progress annotations and no finalizers;
-deletion is left to owner references and the garbage collector.
+deletion is left to owner references and the garbage collector. kopf does not retry event
+handlers, so failed work goes through `OperatorState.retries` (delayed, per object): a transient
+API failure is retried with a growing delay, while a spec the operator cannot realise ends in
+phase Failed inside the reconcile and is not retried (`fleetserve.operator.errors`).
 """
 
 from __future__ import annotations
@@ -10,65 +13,125 @@ from typing import Any, cast
 
 import kopf
 
+from fleetserve.api.labels import LABEL_DEPLOYMENT, LABEL_GROUP
 from fleetserve.api.models import GROUP, PLURAL, VERSION
-from fleetserve.operator.builders import LABEL_DEPLOYMENT, LABEL_GROUP
 from fleetserve.operator.kube import Kube
 from fleetserve.operator.reconcile import (
+    live_pod,
     reconcile,
     recreate_group,
     restart_group_after_container_restart,
 )
 from fleetserve.operator.runtime import OperatorState, configure
 
+__all__ = [
+    "on_deployment_event",
+    "on_inferencedeployment_event",
+    "on_operator_cleanup",
+    "on_operator_startup",
+    "on_pod_event",
+    "on_statefulset_event",
+]
+
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def on_operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings, memo)
+
+
+@kopf.on.cleanup()
+def on_operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    state: OperatorState | None = getattr(memo, "state", None)
+    if state is not None:
+        state.retries.close()
+
+
+def _kube(state: OperatorState) -> Kube:
+    return Kube(state.api, state.writes)
 
 
 def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
     key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
     with state.lock_for(key):
-        result = reconcile(Kube(state.api, state.writes), body)
+        result = reconcile(_kube(state), body)
     for kind, reason, message in result.events:
         # NOTE: kopf.event only reads apiVersion/kind/metadata, which a raw dict has.
         kopf.event(cast(Any, body), type=kind, reason=reason, message=message)
 
 
+def _reconcile_live(state: OperatorState, namespace: str, name: str) -> None:
+    """Reconcile the deployment as it is now (nothing to do once it is gone or going)."""
+    body = _kube(state).get("InferenceDeployment", namespace, name)
+    if body is not None and not body["metadata"].get("deletionTimestamp"):
+        _reconcile_body(state, body)
+
+
+def _reconcile(
+    state: OperatorState, namespace: str, name: str, body: dict[str, Any] | None = None
+) -> None:
+    """Reconcile now (from `body` when the event carried it); on failure retry the live object."""
+
+    def live() -> None:
+        _reconcile_live(state, namespace, name)
+
+    def from_event() -> None:
+        assert body is not None
+        _reconcile_body(state, body)
+
+    key = f"reconcile {namespace}/{name}"
+    state.retries.run(key, from_event if body is not None else live, again=live)
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def on_deployment(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+def on_inferencedeployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     obj = cast(dict[str, Any], event["object"])
-    if event["type"] == "DELETED" or obj["metadata"].get("deletionTimestamp"):
+    meta = obj["metadata"]
+    if event["type"] == "DELETED" or meta.get("deletionTimestamp"):
+        memo.state.retries.forget(f"reconcile {meta['namespace']}/{meta['name']}")
         return
-    _reconcile_body(memo.state, obj)
+    _reconcile(memo.state, meta["namespace"], meta["name"], obj)
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-def on_group(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+def on_statefulset_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     meta = event["object"]["metadata"]
-    kube = Kube(memo.state.api, memo.state.writes)
-    parent = kube.get("InferenceDeployment", meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
-    if parent is not None and not parent["metadata"].get("deletionTimestamp"):
-        _reconcile_body(memo.state, parent)
+    _reconcile(memo.state, meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+def on_deployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    """The router Deployment: its readiness is part of the parent's Ready."""
+    meta = event["object"]["metadata"]
+    _reconcile(memo.state, meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_GROUP: kopf.PRESENT})
-def on_pod(event: kopf.RawEvent, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+def on_pod_event(event: kopf.RawEvent, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     pod = cast(dict[str, Any], event["object"])
-    kube = Kube(memo.state.api, memo.state.writes)
+    state: OperatorState = memo.state
+    meta = pod["metadata"]
+
+    def report(deleted: list[str], cause: str) -> None:
+        if deleted:
+            logger.info(
+                "recreating the group of %s (it %s): deleted %s", meta["name"], cause, deleted
+            )
+
+    def after_delete() -> None:
+        # Safe to repeat with the same body: pods created after this one are kept.
+        report(recreate_group(_kube(state), pod), "deleted")
+
+    def after_restart(current: dict[str, Any] | None = pod) -> None:
+        if current is not None:
+            deleted = restart_group_after_container_restart(_kube(state), current)
+            report(deleted, "restarted a container")
+
+    def after_restart_live() -> None:
+        # A retry reads the pod again: once its group was recreated, the old pod is gone.
+        after_restart(live_pod(_kube(state), pod))
+
+    key = f"group restart {meta['namespace']}/{meta['name']}"
     if event["type"] == "DELETED":
-        deleted = recreate_group(kube, pod)
-        cause = "deleted"
+        state.retries.run(key, after_delete)
     else:
-        deleted = restart_group_after_container_restart(kube, pod)
-        cause = "restarted a container"
-    if deleted:
-        logger.info(
-            "recreating the group of %s (it %s): deleted %s",
-            pod["metadata"]["name"],
-            cause,
-            deleted,
-        )
-
-
-__all__ = ["on_deployment", "on_group", "on_pod", "startup"]
+        state.retries.run(key, after_restart, again=after_restart_live)

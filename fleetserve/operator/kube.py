@@ -16,18 +16,19 @@ from urllib.parse import quote, urlencode
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from fleetserve.api.models import API_VERSION, PLURAL
+
 __all__ = ["FIELD_MANAGER", "Kube", "resource_path"]
 
 FIELD_MANAGER = "fleetserve-operator"
 
 _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
     {
-        "ConfigMap": ("/api/v1", "configmaps"),
         "Service": ("/api/v1", "services"),
         "Pod": ("/api/v1", "pods"),
         "StatefulSet": ("/apis/apps/v1", "statefulsets"),
         "Deployment": ("/apis/apps/v1", "deployments"),
-        "InferenceDeployment": ("/apis/fleetserve.io/v1alpha1", "inferencedeployments"),
+        "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
     }
 )
 
@@ -47,7 +48,11 @@ def resource_path(kind: str, namespace: str, name: str | None = None) -> str:
 
 @dataclass
 class Kube:
-    """Thin synchronous API wrapper that counts the writes it issues."""
+    """Thin synchronous API wrapper that counts the writes it issues.
+
+    A missing object reads (and deletes) as None; any other error response raises
+    `ApiException` with the response's status, body and headers.
+    """
 
     api: client.ApiClient
     writes: list[str] = field(default_factory=list)
@@ -67,14 +72,14 @@ class Kube:
         _, url, headers, _, _ = self.api.param_serialize(
             method, path, header_params=headers, auth_settings=["BearerToken"]
         )
-        try:
-            resp = self.api.call_api(method, url, header_params=headers, body=body)
-            resp.read()
-        except ApiException as exc:
-            if exc.status == 404 and method in ("GET", "DELETE"):
-                return None
-            raise
-        assert resp.status < 300, f"{method} {path}: HTTP {resp.status}"
+        resp = self.api.call_api(method, url, header_params=headers, body=body)
+        resp.read()
+        if resp.status == 404 and method in ("GET", "DELETE"):
+            return None
+        if resp.status >= 300:
+            # NOTE: `call_api` returns error responses; raise them as the typed ApiException
+            # (status, reason, body, headers) that the error policy classifies.
+            ApiException.from_response(http_resp=resp, body=None, data=None)
         data = resp.data
         return json.loads(data) if data else {}
 

@@ -3,6 +3,11 @@
 Idempotent: objects whose desired fields already hold on the live object are not written, so an
 unchanged resource costs only reads. Template changes roll one group at a time, and only while
 every other group of every role is ready and up to date (never both roles down at once).
+
+A spec the operator cannot realise ends the pass in phase Failed (`fleetserve.operator.errors`):
+the status says why, one Warning event is posted when it first says so, and since the status is
+then unchanged the next passes write nothing until the spec changes. Transient API failures
+propagate to the caller, which retries (`fleetserve.operator.handlers`).
 """
 
 from __future__ import annotations
@@ -11,30 +16,39 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from fleetserve.api.compat import compatibility_hash
-from fleetserve.api.models import InferenceDeploymentSpec
-from fleetserve.operator.builders import (
+from kubernetes.client.exceptions import ApiException
+
+from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
+from fleetserve.api.labels import (
     ANNOTATION_TEMPLATE_HASH,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
     LABEL_ROLE,
-    Owner,
-    build_children,
 )
+from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.operator.builders import Owner, build_children, router_name
+from fleetserve.operator.errors import SpecProblem, spec_problem
 from fleetserve.operator.kube import Kube
-from fleetserve.operator.status import GroupState, compute_status, group_state
+from fleetserve.operator.status import (
+    GroupState,
+    compute_status,
+    failed_status,
+    group_state,
+    router_state,
+)
 
 __all__ = [
     "CHILD_KINDS",
     "MIN_RUN_BEFORE_GROUP_RESTART_S",
     "ReconcileResult",
     "is_subset",
+    "live_pod",
     "reconcile",
     "recreate_group",
     "restart_group_after_container_restart",
 ]
 
-CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment")
+CHILD_KINDS = ("Service", "StatefulSet", "Deployment")
 
 MIN_RUN_BEFORE_GROUP_RESTART_S = 30.0
 """A container that dies sooner after its pod was created is crash-looping at start-up: its
@@ -73,13 +87,101 @@ def _template_hash(obj: dict[str, Any]) -> str:
     return str((obj["metadata"].get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH, ""))
 
 
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> ReconcileResult:
-    """Converge the children of `body` (an InferenceDeployment object) and write its status."""
+    """Converge the children of `body` (an InferenceDeployment object) and write its status.
+
+    Raises:
+        ApiException, urllib3 errors: API failures other than a rejected child (the caller
+            retries them with a delay).
+    """
     meta = body["metadata"]
-    spec = InferenceDeploymentSpec.model_validate(body["spec"])
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    stamp = now or _now()
+    spec: InferenceDeploymentSpec | None = None
+    try:
+        spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        desired = build_children(spec, owner)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError too
+        hashes = role_compatibility_hashes(spec) if spec is not None else None
+        return _fail(kube, body, _problem(exc), stamp, role_hashes=hashes)
+    try:
+        return _converge(kube, body, spec, owner, desired, stamp)
+    except ApiException as exc:
+        problem = spec_problem(exc)
+        if problem is None:
+            raise
+        return _fail(kube, body, problem, stamp, role_hashes=role_compatibility_hashes(spec))
+
+
+def _problem(exc: ValueError) -> SpecProblem:
+    problem = spec_problem(exc)
+    assert problem is not None, f"a ValueError is always a spec problem: {exc!r}"
+    return problem
+
+
+def _write_status(
+    kube: Kube,
+    body: dict[str, Any],
+    status: dict[str, Any],
+    result: ReconcileResult,
+    *,
+    drop_other_roles: bool,
+) -> bool:
+    """Patch `status` unless the live status already holds it; True when written.
+
+    With `drop_other_roles`, roles in the live status that `status` does not list are removed
+    (a merge patch keeps map keys it does not name, so they are set to null).
+    """
+    meta = body["metadata"]
+    previous = body.get("status") or {}
+    result.status = status
+    if is_subset(status, previous):
+        return False
+    patch = dict(status)
+    roles = status.get("roles") or {}
+    gone = {name: None for name in previous.get("roles") or {} if name not in roles}
+    if drop_other_roles and gone:
+        patch["roles"] = {**gone, **roles}
+    kube.patch_status("InferenceDeployment", meta["namespace"], meta["name"], patch)
+    result.status_written = True
+    return True
+
+
+def _fail(
+    kube: Kube,
+    body: dict[str, Any],
+    problem: SpecProblem,
+    now: str,
+    *,
+    role_hashes: dict[str, str] | None,
+) -> ReconcileResult:
     result = ReconcileResult()
-    desired = build_children(spec, owner)
+    status = failed_status(
+        int(body["metadata"].get("generation", 1)),
+        problem.reason,
+        problem.message,
+        previous=body.get("status") or {},
+        now=now,
+        role_hashes=role_hashes,
+    )
+    if _write_status(kube, body, status, result, drop_other_roles=False):
+        result.events.append(("Warning", problem.reason, problem.message))
+    return result
+
+
+def _converge(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: InferenceDeploymentSpec,
+    owner: Owner,
+    desired: list[dict[str, Any]],
+    now: str,
+) -> ReconcileResult:
+    result = ReconcileResult()
     selector = f"{LABEL_DEPLOYMENT}={owner.name}"
     live: dict[tuple[str, str], dict[str, Any]] = {}
     for kind in CHILD_KINDS:
@@ -129,21 +231,21 @@ def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> Re
             result.events.append(("Normal", "ScaledDown", f"deleted {key[0]} {key[1]}"))
 
     previous = body.get("status") or {}
-    result.status = compute_status(
+    status = compute_status(
         spec,
-        int(meta.get("generation", 1)),
+        int(body["metadata"].get("generation", 1)),
         groups,
         desired_hashes,
+        router_state(live.get(("Deployment", router_name(owner.name))), spec.router.replicas),
         endpoint=f"http://{owner.name}.{owner.namespace}.svc:80",
+        role_hashes=role_compatibility_hashes(spec),
         compat_hash=compatibility_hash(spec),
         previous=previous,
-        now=now or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        now=now,
     )
-    if not is_subset(result.status, previous):
-        kube.patch_status("InferenceDeployment", owner.namespace, owner.name, result.status)
-        result.status_written = True
-        if result.status["phase"] != previous.get("phase"):
-            result.events.append(("Normal", "Phase", f"phase {result.status['phase']}"))
+    written = _write_status(kube, body, status, result, drop_other_roles=True)
+    if written and status["phase"] != previous.get("phase"):
+        result.events.append(("Normal", "Phase", f"phase {status['phase']}"))
     return result
 
 
@@ -151,6 +253,16 @@ def _group_selector(labels: dict[str, str]) -> str:
     return ",".join(
         f"{k}={labels[k]}" for k in (LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_GROUP) if k in labels
     )
+
+
+def live_pod(kube: Kube, pod: dict[str, Any]) -> dict[str, Any] | None:
+    """`pod` as it is now (same uid), or None once it is gone; read by listing its group."""
+    meta = pod["metadata"]
+    selector = _group_selector(meta.get("labels") or {})
+    for current in kube.list("Pod", meta["namespace"], selector):
+        if current["metadata"].get("uid") == meta.get("uid"):
+            return current
+    return None
 
 
 def _parse_time(stamp: str) -> datetime:

@@ -1,17 +1,51 @@
-"""Engine command line, env and rendered config of one role, from the typed topology."""
+"""Engine command line and env of one role, from the typed topology (pure).
+
+Flags carry the names of the engine's single argument definition (`fleetserve serve`); env
+variables are only those `fleetserve.envs.Env` declares, named with `env_name()`, so everything
+rendered here is read by the engine.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from fleetserve.api.labels import LABEL_POD_INDEX
 from fleetserve.api.models import InferenceDeploymentSpec, Role
-from fleetserve.api.topology import rank_layout
+from fleetserve.envs import env_name
 
-__all__ = ["ENGINE_PORT", "MODEL_MOUNT", "engine_args", "engine_config", "engine_env", "model_path"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "ENGINE_PORT",
+    "MODEL_MOUNT",
+    "engine_args",
+    "engine_env",
+    "kv_transfer_config",
+    "model_path",
+]
 
 ENGINE_PORT = 8000
 MODEL_MOUNT = "/model"
+
+ENGINE_FLAGS = (
+    "--served-model-name",
+    "--dtype",
+    "--block-size",
+    "--host",
+    "--port",
+    "--max-model-len",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--enable-expert-parallel",
+    "--enable-eplb",
+    "--num-redundant-experts",
+    "--eplb-window-size",
+    "--eplb-step-interval",
+    "--eplb-policy",
+    "--kv-transfer-config",
+)
+"""Every `fleetserve serve` flag `engine_args` can render (besides the user's `engine.args`)."""
 
 
 def model_path(uri: str) -> str:
@@ -32,7 +66,11 @@ def model_path(uri: str) -> str:
 
 
 def kv_transfer_config(spec: InferenceDeploymentSpec, role_name: str) -> dict[str, Any] | None:
-    """The `--kv-transfer-config` JSON object of a role (None without a connector)."""
+    """The `--kv-transfer-config` JSON object of a role (None without a connector).
+
+    Keys are the api's `KVTransfer` field names in snake_case, plus the connector role: prefill
+    produces KV, decode consumes it.
+    """
     kv = spec.kv_transfer
     if kv.connector == "none":
         return None
@@ -46,7 +84,14 @@ def kv_transfer_config(spec: InferenceDeploymentSpec, role_name: str) -> dict[st
 
 
 def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> list[str]:
-    """`fleetserve serve` arguments (flags the engine CLI accepts), user `engine.args` last."""
+    """`fleetserve serve` arguments (flags the engine CLI accepts), user `engine.args` last.
+
+    Parallel sizes are rendered when above 1 (the engine's default), so a single-rank engine's
+    command line carries no parallel flag; EPLB's settings only with EPLB on.
+
+    Raises:
+        ValueError: an unsupported model URI.
+    """
     p = role.parallelism
     args = [
         "serve",
@@ -57,23 +102,37 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
         spec.model.dtype,
         "--block-size",
         str(spec.model.block_size),
-        "--tensor-parallel-size",
-        str(p.tensor),
-        "--pipeline-parallel-size",
-        str(p.pipeline),
         # NOTE: bind the pod IP, not 0.0.0.0: on the dev cluster's local node pods share the host
         # network, each with its own loopback address.
         "--host",
-        "$(FLEETSERVE_POD_IP)",
+        f"$({env_name('pod_ip')})",
         "--port",
         str(ENGINE_PORT),
     ]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    for flag, size in (
+        ("--tensor-parallel-size", p.tensor),
+        ("--pipeline-parallel-size", p.pipeline),
+        ("--data-parallel-size", p.data),
+    ):
+        if size > 1:
+            args += [flag, str(size)]
     if p.expert:
         args.append("--enable-expert-parallel")
     if role.eplb.enabled:
-        args.append("--enable-eplb")
+        e = role.eplb
+        args += [
+            "--enable-eplb",
+            "--num-redundant-experts",
+            str(e.redundant_experts),
+            "--eplb-window-size",
+            str(e.window_size),
+            "--eplb-step-interval",
+            str(e.step_interval),
+            "--eplb-policy",
+            e.policy,
+        ]
     kv = kv_transfer_config(spec, role_name)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))]
@@ -82,63 +141,19 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
     return args
 
 
-def engine_env(
-    spec: InferenceDeploymentSpec, role_name: str, role: Role, leader: str
-) -> list[dict[str, Any]]:
-    """Env of every pod in a group; the pod's rank comes from its StatefulSet pod index.
+def engine_env(spec: InferenceDeploymentSpec, role: Role, leader: str) -> list[dict[str, Any]]:
+    """Env of every pod in a group, then the user's `engine.env`.
 
-    # NOTE: the engine has no multi-pod flags yet, so ranks and the leader go through env vars.
+    The pod's rank is its StatefulSet pod index (pod 0 leads); the world size counts every rank
+    of the group (tensor × pipeline × data).
     """
-    p = role.parallelism
-    world = p.tensor * p.pipeline
-    index_ref = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     env: list[dict[str, Any]] = [
-        {"name": "FLEETSERVE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "FLEETSERVE_ROLE", "value": role_name},
-        {"name": "FLEETSERVE_RANK", "valueFrom": index_ref},
-        {"name": "FLEETSERVE_GROUP_SIZE", "value": str(role.group_size)},
-        {"name": "FLEETSERVE_WORLD_SIZE", "value": str(world)},
-        {"name": "FLEETSERVE_GPUS_PER_POD", "value": str(role.gpus_per_pod)},
-        {"name": "FLEETSERVE_LEADER_ADDRESS", "value": leader},
-        {"name": "FLEETSERVE_TP_SIZE", "value": str(p.tensor)},
-        {"name": "FLEETSERVE_PP_SIZE", "value": str(p.pipeline)},
-        {"name": "FLEETSERVE_DP_SIZE", "value": str(p.data)},
-        {"name": "FLEETSERVE_EP_SIZE", "value": str(p.tensor * p.data if p.expert else 1)},
-        {"name": "FLEETSERVE_SERVED_MODEL_NAME", "value": spec.model.name},
-        {"name": "FLEETSERVE_CONFIG", "value": "/etc/fleetserve/engine.json"},
+        {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": env_name("rank"),
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']"}},
+        },
+        {"name": env_name("world_size"), "value": str(role.world_size)},
+        {"name": env_name("leader_address"), "value": leader},
     ]
-    if role.eplb.enabled:
-        e = role.eplb
-        env += [
-            {"name": "FLEETSERVE_EPLB_REDUNDANT_EXPERTS", "value": str(e.redundant_experts)},
-            {"name": "FLEETSERVE_EPLB_WINDOW_SIZE", "value": str(e.window_size)},
-            {"name": "FLEETSERVE_EPLB_STEP_INTERVAL", "value": str(e.step_interval)},
-            {"name": "FLEETSERVE_EPLB_POLICY", "value": e.policy},
-        ]
-    env += [{"name": k, "value": v} for k, v in sorted(spec.engine.env.items())]
-    return env
-
-
-def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """The rendered engine config of every role (the ConfigMap's `engine.json`)."""
-    roles: dict[str, Any] = {}
-    for name, role in spec.roles.items():
-        p = role.parallelism
-        layout = rank_layout(
-            p.tensor * p.pipeline, tensor=p.tensor, pipeline=p.pipeline, expert=p.expert
-        )
-        per_pod = role.gpus_per_pod or 1
-        roles[name] = {
-            "args": engine_args(spec, name, role),
-            "group_size": role.group_size,
-            "ranks_per_pod": [
-                list(range(i * per_pod, min((i + 1) * per_pod, layout.world_size)))
-                for i in range(role.group_size)
-            ],
-            "tensor_groups": layout.tensor,
-            "pipeline_groups": layout.pipeline,
-            "expert_groups": layout.expert,
-            "eplb": role.eplb.model_dump(by_alias=True),
-            "kv_transfer": kv_transfer_config(spec, name),
-        }
-    return {"model": spec.model.model_dump(by_alias=True), "roles": roles}
+    return env + [{"name": k, "value": v} for k, v in sorted(spec.engine.env.items())]

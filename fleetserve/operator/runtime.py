@@ -10,15 +10,18 @@ from dataclasses import dataclass, field
 import kopf
 from kubernetes import client, config
 
+from fleetserve.operator.retries import Retries
+
 __all__ = ["OperatorState", "api_client_from_env", "configure"]
 
 
 @dataclass
 class OperatorState:
-    """What the handlers share: one API client, the write log, per-deployment locks."""
+    """What the handlers share: one API client, the write log, per-deployment locks, retries."""
 
     api: client.ApiClient
     writes: list[str] = field(default_factory=list)
+    retries: Retries = field(default_factory=Retries)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 

@@ -36,7 +36,14 @@ def test_schema_is_structural_and_defaulted() -> None:
         "minimum": 0,
         "maximum": 16,
     }
-    assert role["x-kubernetes-validations"][0]["message"].startswith("tensor × pipeline")
+    assert role["x-kubernetes-validations"][0]["message"].startswith("tensor × pipeline × data")
+    assert "self.parallelism.data" in role["x-kubernetes-validations"][0]["rule"]
+    disaggregation = spec["properties"]["router"]["properties"]["disaggregation"]["properties"]
+    assert set(disaggregation) == {"mode", "minUncachedTokens"}
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+    assert "compatibilityHash" in status["roles"]["additionalProperties"]["properties"]
+    assert set(status["router"]["properties"]) == {"replicas", "readyReplicas"}
     text = yaml.safe_dump(version)
     assert "$ref" not in text and "anyOf" not in text and "title" not in text
     assert version["subresources"] == {"status": {}}
@@ -77,12 +84,36 @@ def test_python_validation_mirrors_cel() -> None:
         InferenceDeploymentSpec.model_validate(_spec(unified={}))
 
 
+@pytest.mark.parametrize(
+    ("role", "ok"),
+    [
+        ({"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 2}}, True),
+        ({"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 3}}, False),
+        ({"gpusPerPod": 2, "parallelism": {"data": 4}}, True),
+        ({"gpusPerPod": 0, "parallelism": {"data": 2}}, False),
+        ({"gpusPerPod": 0}, True),
+    ],
+)
+def test_data_parallel_counts_in_the_gpus_per_pod_rule(role: dict, ok: bool) -> None:
+    """tensor × pipeline × data, the same product in Python as in the CEL rule."""
+    body = _spec(prefill={}, decode=role)
+    if ok:
+        spec = InferenceDeploymentSpec.model_validate(body)
+        assert spec.roles.decode is not None
+        p = spec.roles.decode.parallelism
+        assert spec.roles.decode.world_size == p.tensor * p.pipeline * p.data
+    else:
+        with pytest.raises(ValidationError, match=r"tensor × pipeline × data .* gpusPerPod"):
+            InferenceDeploymentSpec.model_validate(body)
+
+
 def test_api_imports_neither_torch_nor_kopf_and_operator_no_torch() -> None:
     import subprocess
     import sys
 
     code = (
-        "import sys, fleetserve.api.crd, fleetserve.api.compat;"
+        "import sys, fleetserve.api.crd, fleetserve.api.compat, fleetserve.api.labels,"
+        " fleetserve.api.router_config;"
         "assert not {'torch', 'kopf'} & set(sys.modules), 'api';"
         "import fleetserve.operator.handlers;"
         "assert 'torch' not in sys.modules, 'operator'"

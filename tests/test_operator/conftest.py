@@ -81,6 +81,12 @@ class OperatorEnv:
             self.proc.wait()
         self.proc = None
 
+    def log_text(self) -> str:
+        """Everything the operator processes of this module logged so far."""
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log"))
+        )
+
     def writes(self, namespace: str) -> list[dict[str, Any]]:
         """Mutating requests the operator made in `namespace` (events excluded)."""
         return [

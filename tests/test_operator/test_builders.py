@@ -1,16 +1,33 @@
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import re
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
-from fleetserve.api.compat import compatibility_hash
-from fleetserve.api.models import InferenceDeploymentSpec
-from fleetserve.operator.builders import Owner, build_children
+from fleetserve.api import labels
+from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
+from fleetserve.api.models import InferenceDeploymentSpec, KVTransfer
+from fleetserve.api.router_config import RouterConfig
+from fleetserve.envs import read_env
+from fleetserve.operator.builders import Owner, build_children, build_router_config
+from fleetserve.operator.render import ENGINE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = Owner(name="d", namespace="ns", uid="u-1")
+SAMPLES = sorted(p.name for p in (ROOT / "manifests" / "samples").glob("*.yaml"))
+ENV_NAMES = [
+    "FLEETSERVE_POD_IP",
+    "FLEETSERVE_RANK",
+    "FLEETSERVE_WORLD_SIZE",
+    "FLEETSERVE_LEADER_ADDRESS",
+]
+POD_INDEX = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
 
 
 def _sample(name: str) -> InferenceDeploymentSpec:
@@ -18,15 +35,28 @@ def _sample(name: str) -> InferenceDeploymentSpec:
     return InferenceDeploymentSpec.model_validate(doc["spec"])
 
 
+def _spec(**overrides: Any) -> InferenceDeploymentSpec:
+    body = {"model": {"name": "m", "source": {"uri": "/m"}}, "roles": {"prefill": {}, "decode": {}}}
+    return InferenceDeploymentSpec.model_validate({**body, **overrides})
+
+
 def _env(container: dict) -> dict[str, object]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _engines(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    return [c for c in build_children(spec, OWNER) if c["kind"] == "StatefulSet"]
+
+
+def _container(sts: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = sts["spec"]["template"]["spec"]["containers"][0]
+    return container
 
 
 def test_dense_pd_children() -> None:
     spec = _sample("dense-pd.yaml")
     children = build_children(spec, OWNER)
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
-        ("ConfigMap", "d-engine"),
         ("Service", "d-prefill-0"),
         ("StatefulSet", "d-prefill-0"),
         ("Service", "d-prefill-1"),
@@ -38,7 +68,7 @@ def test_dense_pd_children() -> None:
     ]
     for c in children:
         assert c["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    sts = children[6]
+    sts = children[5]
     assert sts["spec"]["replicas"] == 1
     pod = sts["spec"]["template"]
     assert pod["metadata"]["labels"]["fleetserve.io/compatibility-hash"] == compatibility_hash(spec)
@@ -52,62 +82,274 @@ def test_dense_pd_children() -> None:
         "bfloat16",
         "--block-size",
         "16",
-        "--tensor-parallel-size",
-        "4",
-        "--pipeline-parallel-size",
-        "1",
         "--host",
         "$(FLEETSERVE_POD_IP)",
         "--port",
         "8000",
         "--max-model-len",
         "8192",
+        "--tensor-parallel-size",
+        "4",
         "--kv-transfer-config",
         '{"connector":"tcp","lease_seconds":30,"load_failure_policy":"recompute","protocol":"tcp","role":"consumer"}',
     ]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert [e["name"] for e in c["env"]] == ENV_NAMES
     env = _env(c)
-    assert env["FLEETSERVE_WORLD_SIZE"] == "4" and env["FLEETSERVE_GROUP_SIZE"] == "1"
+    assert env["FLEETSERVE_WORLD_SIZE"] == "4"
+    assert env["FLEETSERVE_RANK"] == POD_INDEX
     assert env["FLEETSERVE_LEADER_ADDRESS"] == "d-decode-0-0.d-decode-0.ns.svc"
-    assert {"name": "model", "mountPath": "/model", "readOnly": True} in c["volumeMounts"]
-    assert children[1]["spec"]["clusterIP"] == "None"
+    assert c["volumeMounts"] == [{"name": "model", "mountPath": "/model", "readOnly": True}]
+    assert pod["spec"]["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ]
+    prefill_args = _container(children[1])["args"]
+    assert (
+        json.loads(prefill_args[prefill_args.index("--kv-transfer-config") + 1])["role"]
+        == "producer"
+    )
+    assert children[0]["spec"]["clusterIP"] == "None"
     assert children[-1]["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080}]
+
+
+def test_no_engine_config_map_or_dead_env() -> None:
+    """Nothing reads an engine.json or the old FLEETSERVE_* variables, so nothing renders them."""
+    for sample in SAMPLES:
+        children = build_children(_sample(sample), OWNER)
+        assert {c["kind"] for c in children} == {"Service", "StatefulSet", "Deployment"}
+        for sts in (c for c in children if c["kind"] == "StatefulSet"):
+            c = _container(sts)
+            assert [e["name"] for e in c["env"]] == ENV_NAMES, sample
+            assert "engine-config" not in json.dumps(sts)
+            assert "/etc/fleetserve" not in json.dumps(sts)
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_rendered_env_is_what_the_engine_reads(
+    sample: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rendered variable is declared in fleetserve.envs and parses there, without warnings."""
+    c = _container(_engines(_sample(sample))[-1])
+    resolved = {"status.podIP": "10.0.0.7", POD_INDEX["fieldRef"]["fieldPath"]: "1"}
+    environ = {
+        e["name"]: e["value"] if "value" in e else resolved[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        for e in c["env"]
+    }
+    with caplog.at_level(logging.WARNING, logger="fleetserve.envs"):
+        env = read_env(environ)
+    assert caplog.records == []
+    assert env.pod_ip == "10.0.0.7" and env.rank == 1
+    assert env.leader_address is not None and env.leader_address.endswith(".ns.svc")
+    assert env.world_size is not None and env.world_size >= 1
 
 
 def test_multinode_decode_group_and_layout() -> None:
     spec = _sample("multinode-decode.yaml")
-    children = build_children(spec, OWNER)
-    sts = next(
-        c for c in children if c["metadata"]["name"] == "d-decode-0" and c["kind"] == "StatefulSet"
-    )
+    sts = next(s for s in _engines(spec) if s["metadata"]["name"] == "d-decode-0")
     assert sts["spec"]["replicas"] == 2
-    env = _env(sts["spec"]["template"]["spec"]["containers"][0])
-    assert env["FLEETSERVE_WORLD_SIZE"] == "16" and env["FLEETSERVE_GROUP_SIZE"] == "2"
-    assert env["FLEETSERVE_RANK"] == {
-        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
-    }
-    config = json.loads(children[0]["data"]["engine.json"])["roles"]["decode"]
-    assert config["ranks_per_pod"] == [list(range(8)), list(range(8, 16))]
-    assert config["pipeline_groups"][0] == [0, 8]
+    c = _container(sts)
+    env = _env(c)
+    assert env["FLEETSERVE_WORLD_SIZE"] == "16"
+    assert env["FLEETSERVE_RANK"] == POD_INDEX
+    assert env["FLEETSERVE_LEADER_ADDRESS"] == "d-decode-0-0.d-decode-0.ns.svc"
+    i = c["args"].index("--tensor-parallel-size")
+    assert c["args"][i : i + 4] == ["--tensor-parallel-size", "8", "--pipeline-parallel-size", "2"]
+    assert "--data-parallel-size" not in c["args"]
 
 
-def test_moe_eplb_flags_and_env() -> None:
+def test_data_parallel_counts_in_world_and_group_size() -> None:
+    spec = _spec(
+        roles={
+            "prefill": {"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 2}},
+            "decode": {"gpusPerPod": 4, "parallelism": {"tensor": 2, "pipeline": 2, "data": 3}},
+        }
+    )
+    prefill, decode = _engines(spec)
+    assert prefill["spec"]["replicas"] == 1 and decode["spec"]["replicas"] == 3
+    assert _env(_container(prefill))["FLEETSERVE_WORLD_SIZE"] == "4"
+    assert _env(_container(decode))["FLEETSERVE_WORLD_SIZE"] == "12"
+    args = _container(decode)["args"]
+    i = args.index("--tensor-parallel-size")
+    assert args[i : i + 6] == [
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "3",
+    ]
+
+
+def test_moe_eplb_flags() -> None:
     spec = _sample("moe-ep-eplb.yaml")
-    sts = [c for c in build_children(spec, OWNER) if c["kind"] == "StatefulSet"]
-    prefill = sts[0]["spec"]["template"]["spec"]["containers"][0]
-    assert "--enable-expert-parallel" in prefill["args"] and "--enable-eplb" in prefill["args"]
-    env = _env(prefill)
-    assert env["FLEETSERVE_EP_SIZE"] == "4"
-    assert env["FLEETSERVE_EPLB_POLICY"] == "hierarchical"
-    assert env["FLEETSERVE_EPLB_REDUNDANT_EXPERTS"] == "4"
+    prefill, decode = (_container(s)["args"] for s in _engines(spec))
+    i = prefill.index("--enable-expert-parallel")
+    assert prefill[i:][:10] == [
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--num-redundant-experts",
+        "4",
+        "--eplb-window-size",
+        "1000",
+        "--eplb-step-interval",
+        "3000",
+        "--eplb-policy",
+        "hierarchical",
+    ]
+    assert decode[decode.index("--eplb-policy") + 1] == "global"
+    assert decode[decode.index("--num-redundant-experts") + 1] == "8"
 
 
-def test_cpu_sample_targets_local_node_without_gpus() -> None:
+def test_eplb_flags_only_with_eplb() -> None:
+    args = _container(_engines(_sample("dense-pd.yaml"))[0])["args"]
+    assert not [a for a in args if "eplb" in a or "expert" in a]
+
+
+def test_kv_transfer_config_keys_are_the_api_field_names() -> None:
+    args = _container(_engines(_sample("dense-pd.yaml"))[0])["args"]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert set(kv) == set(KVTransfer.model_fields) | {"role"}
+
+
+def _maximal_spec() -> InferenceDeploymentSpec:
+    role = {
+        "gpusPerPod": 8,
+        "parallelism": {"tensor": 2, "pipeline": 2, "data": 2, "expert": True},
+        "eplb": {"enabled": True},
+    }
+    return _spec(
+        model={"name": "m", "source": {"uri": "/m"}, "moe": True, "maxModelLen": 64},
+        roles={"prefill": role, "decode": role},
+    )
+
+
+def test_engine_flags_lists_every_rendered_flag() -> None:
+    """ENGINE_FLAGS is the renderer's whole flag surface (the engine's parser must accept it)."""
+    maximal = set()
+    for sts in _engines(_maximal_spec()):
+        maximal |= {a for a in _container(sts)["args"] if a.startswith("--")}
+    assert maximal == set(ENGINE_FLAGS)
+    for sample in SAMPLES:
+        spec = _sample(sample)
+        user = {f"--{k}" for k in spec.engine.args}
+        for sts in _engines(spec):
+            rendered = {a for a in _container(sts)["args"] if a.startswith("--")}
+            assert rendered - user <= set(ENGINE_FLAGS), sample
+
+
+def test_cpu_sample_runs_two_unified_engines_on_the_local_node() -> None:
     spec = _sample("cpu-smollm2.yaml")
-    sts = [c for c in build_children(spec, OWNER) if c["kind"] == "StatefulSet"]
-    pod = sts[0]["spec"]["template"]["spec"]
-    c = pod["containers"][0]
-    assert "nvidia.com/gpu" not in c["resources"]["requests"]
-    assert pod["nodeSelector"] == {"fleetserve.io/local-node": "true"}
-    assert c["command"] == ["python", "-m", "fleetserve"]
-    assert c["args"][-4:] == ["--device", "cpu", "--num-kv-blocks", "256"]
+    children = build_children(spec, OWNER)
+    engines = [c for c in children if c["kind"] == "StatefulSet"]
+    assert [s["metadata"]["name"] for s in engines] == ["d-unified-0", "d-unified-1"]
+    router = next(c for c in children if c["kind"] == "Deployment")
+    assert router["spec"]["replicas"] == 0
+    for sts in engines:
+        pod = sts["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert "nvidia.com/gpu" not in c["resources"]["requests"]
+        assert pod["nodeSelector"] == {"fleetserve.io/local-node": "true"}
+        assert "volumes" not in pod and "volumeMounts" not in c
+        assert c["command"] == ["python", "-m", "fleetserve"]
+        assert c["args"] == [
+            "serve",
+            "/root/.cache/fleetserve/models/SmolLM2-135M-Instruct",
+            "--served-model-name",
+            "smollm2",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "16",
+            "--host",
+            "$(FLEETSERVE_POD_IP)",
+            "--port",
+            "8000",
+            "--max-model-len",
+            "2048",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "256",
+        ]
+
+
+def _router_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(parser)
+    return parser
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_router_args_are_its_config(sample: str) -> None:
+    spec = _sample(sample)
+    router = next(c for c in build_children(spec, OWNER) if c["kind"] == "Deployment")
+    c = _container(router)
+    assert "env" not in c
+    assert c["args"][0] == "router"
+    parsed = RouterConfig.from_args(_router_parser().parse_args(c["args"][1:]))
+    assert parsed == build_router_config(spec, OWNER)
+    assert parsed.mode == spec.router.disaggregation.mode
+    assert parsed.min_uncached_tokens == spec.router.disaggregation.min_uncached_tokens
+    assert parsed.compatibility_hash == compatibility_hash(spec)
+    assert (parsed.namespace, parsed.engine_port, parsed.port) == ("ns", 8000, 8080)
+    selectors = {
+        "prefill": parsed.prefill_selector,
+        "decode": parsed.decode_selector,
+        "unified": parsed.unified_selector,
+    }
+    present = {name for name, _ in spec.roles.items()}
+    for role, selector in selectors.items():
+        want = f"fleetserve.io/deployment=d,fleetserve.io/role={role}" if role in present else None
+        assert selector == want
+
+
+def test_each_role_labels_its_pods_with_its_own_hash() -> None:
+    spec = _sample("dense-pd.yaml")
+    hashes = role_compatibility_hashes(spec)
+    for sts in _engines(spec):
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        role = labels["fleetserve.io/role"]
+        assert labels["fleetserve.io/compatibility-hash"] == hashes[role]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"model": {"name": "m", "source": {"uri": "s3://bucket/m"}}},
+            "model.source.uri must be pvc://, hostpath:// or an absolute path, got 's3://bucket/m'",
+        ),
+        (
+            {"roles": {"prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 1}}},
+            "set model.dtype explicitly, or give the roles matching devices",
+        ),
+    ],
+)
+def test_unrealisable_specs_raise_value_error(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_children(_spec(**overrides), OWNER)
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_labels_and_annotations_are_the_api_constants(sample: str) -> None:
+    """The operator writes only the keys of fleetserve.api.labels (what the router selects by)."""
+    keys = {getattr(labels, n) for n in labels.__all__ if n.startswith(("LABEL_", "ANNOTATION_"))}
+    spec = _sample(sample)
+    for child in build_children(spec, OWNER):
+        metas = [child["metadata"]]
+        if child["kind"] in ("StatefulSet", "Deployment"):
+            metas.append(child["spec"]["template"]["metadata"])
+            assert set(child["spec"]["selector"]["matchLabels"]) <= keys
+        for meta in metas:
+            assert set(meta.get("labels", {})) | set(meta.get("annotations", {})) <= keys
+        assert child["metadata"]["labels"][labels.LABEL_DEPLOYMENT] == "d"
+    engine_pods = [
+        c["spec"]["template"] for c in build_children(spec, OWNER) if c["kind"] == "StatefulSet"
+    ]
+    for pod in engine_pods:
+        assert set(pod["metadata"]["labels"]) == {
+            labels.LABEL_DEPLOYMENT,
+            labels.LABEL_ROLE,
+            labels.LABEL_GROUP,
+            labels.LABEL_COMPAT,
+        }

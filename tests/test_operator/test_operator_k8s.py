@@ -1,8 +1,9 @@
 """The operator against the dev cluster (kwok GPU nodes), running as its ServiceAccount.
 
-Covers issue 6 acceptance 1 (samples → children, ranks, flags, Ready), 2 (admission rejects bad
-specs), 3 (scale, roll, group recreate, GC), 4 (RBAC proof: no 403, nothing unused) and 6 (restart
-converges, no writes when unchanged). Tests run in file order; the RBAC proof comes last.
+Covers issue 6 acceptance 1 (samples → children, ranks, flags, Ready, the router's readiness
+counted), 2 (admission rejects bad specs), 3 (scale, roll, group recreate, GC), 4 (RBAC proof: no
+403, nothing unused) and 6 (restart converges, no writes when unchanged). Tests run in file order;
+the RBAC proof comes last (the error-policy tests in test_error_policy_k8s.py run before it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fleetserve.api.compat import role_compatibility_hashes
 from fleetserve.api.models import InferenceDeploymentSpec
 from fleetserve.operator.builders import Owner, build_children
 from tests.test_operator.conftest import SA_USER, OperatorEnv, poll
@@ -107,13 +109,17 @@ def test_sample_renders_children_and_becomes_ready(operator_env: OperatorEnv, sa
         poll("Ready=True", lambda: _ready(env, ns, name), timeout_s=60)
         print(f"{sample}: children in {t_children:.2f}s, Ready in {time.monotonic() - t0:.2f}s")
         st = _status(env, ns, name)
+        hashes = role_compatibility_hashes(spec)
         for role_name, role in spec.roles.items():
             assert st["roles"][role_name] == {
                 "replicas": role.replicas,
                 "readyReplicas": role.replicas,
                 "updatedReplicas": role.replicas,
                 "groupSize": role.group_size,
+                "compatibilityHash": hashes[role_name],
             }
+        assert st["router"] == {"replicas": 1, "readyReplicas": 1}
+        assert st["phase"] == "Ready"
         sts_by_name = {c["metadata"]["name"]: c for c in desired if c["kind"] == "StatefulSet"}
         pods = env.get("pod", ns, selector=f"{SEL}={name},fleetserve.io/group")["items"]
         assert len(pods) == sum(r.replicas * r.group_size for _, r in spec.roles.items())
@@ -131,6 +137,10 @@ def test_sample_renders_children_and_becomes_ready(operator_env: OperatorEnv, sa
             )
             assert pod["metadata"]["name"] == f"{group}-{labels['apps.kubernetes.io/pod-index']}"
             assert labels["fleetserve.io/compatibility-hash"] == st["compatibilityHash"]
+            assert (
+                st["roles"][labels["fleetserve.io/role"]]["compatibilityHash"]
+                == (st["compatibilityHash"])
+            )
         table = env.kubectl("get", "infd", "-n", ns, name).stdout
         assert "Ready" in table.splitlines()[1] and "True" in table.splitlines()[1], table
     finally:
@@ -301,6 +311,42 @@ def test_restart_converges_and_unchanged_resource_costs_no_writes(
         time.sleep(3)
         assert _ready(env, ns, name)
         assert env.writes(ns)[before:] == []
+    finally:
+        env.delete_namespace(ns)
+
+
+def test_switching_roles_replaces_their_groups_and_status(operator_env: OperatorEnv) -> None:
+    env = operator_env
+    role = {"replicas": 1, "gpusPerPod": 0}
+    doc = {
+        "apiVersion": "fleetserve.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "switch"},
+        "spec": {
+            "model": {"name": "m", "source": {"uri": "/m"}},
+            "engine": {"cpu": "10m", "memory": "16Mi"},
+            "roles": {"prefill": role, "decode": role},
+        },
+    }
+    ns = env.new_namespace("switch-roles")
+    try:
+        env.apply(ns, doc)
+        poll("Ready as prefill/decode", lambda: _ready(env, ns, "switch"), timeout_s=60)
+        assert set(_status(env, ns, "switch")["roles"]) == {"prefill", "decode"}
+        unified = copy.deepcopy(doc)
+        unified["spec"]["roles"] = {"unified": {**role, "replicas": 2}}
+        unified["spec"]["kvTransfer"] = {"connector": "none"}
+        env.apply(ns, unified)
+        poll("Ready as unified", lambda: _ready(env, ns, "switch"), timeout_s=60)
+        st = _status(env, ns, "switch")
+        assert set(st["roles"]) == {"unified"} and st["roles"]["unified"]["readyReplicas"] == 2
+        poll(
+            "only the unified groups left",
+            lambda: (
+                {n for k, n in _children(env, ns, "switch") if k == "StatefulSet"}
+                == {"switch-unified-0", "switch-unified-1"}
+            ),
+        )
     finally:
         env.delete_namespace(ns)
 
