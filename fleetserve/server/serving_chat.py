@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from fleetserve.engine.chat import apply_chat_template
-from fleetserve.engine.logprobs import chat_logprobs
 from fleetserve.engine.request_output import CompletionOutput, Logprob
 from fleetserve.openai.errors import RequestError, parse_body, value_error
 from fleetserve.openai.protocol import (
@@ -27,6 +26,7 @@ from fleetserve.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
 from fleetserve.server.serving import ChoiceState, OpenAIServing, PreparedRequest
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from fleetserve.engine.logprobs import LogprobRow, completion_logprobs
 from fleetserve.engine.request_output import CompletionOutput, Logprob
 from fleetserve.engine.tokenizer import encode_prompt
 from fleetserve.openai.errors import parse_body, value_error
@@ -24,6 +23,7 @@ from fleetserve.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
+from fleetserve.server.logprobs import LogprobRow, completion_logprobs
 from fleetserve.server.sampling import completion_sampling_params
 from fleetserve.server.serving import ChoiceState, OpenAIServing, PreparedRequest
 

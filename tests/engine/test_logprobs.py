@@ -1,12 +1,9 @@
-"""Front-end logprob shaping (`engine/logprobs.py`): top-k selection and the OpenAI completion
-and chat shapes, with a stub tokenizer whose decode is visible in the results."""
+"""Front-end logprob shaping (`engine/logprobs.py`): core rows → entries, and top-k selection."""
 
 from __future__ import annotations
 
 from fleetserve.engine.core.outputs import LogprobsLists
 from fleetserve.engine.logprobs import (
-    chat_logprobs,
-    completion_logprobs,
     logprob_entries,
     prompt_logprobs_entries,
     sampled_logprob_sum,
@@ -43,25 +40,3 @@ def test_top_logprobs_are_by_rank_and_at_most_k() -> None:
     assert [tid for tid, _ in top_logprobs(entry, 2)] == [8, 9]
     assert [tid for tid, _ in top_logprobs(entry, 5)] == [8, 9, 5]
     assert top_logprobs(entry, 0) == []
-
-
-def test_completion_shape_offsets_and_the_position_without_an_entry() -> None:
-    rows = [(1, None), (5, _entry((5, -3.0, 4), (8, -0.1, 1)))]
-    result, offset = completion_logprobs(rows, 1, TOKENIZER, 10)  # type: ignore[arg-type]
-    assert result.tokens == ["<1>", "t5"]  # decoded only where no entry names the token
-    assert result.token_logprobs == [None, -3.0]
-    assert result.text_offset == [10, 13]
-    assert result.top_logprobs == [None, {"t8": -0.1}]
-    assert offset == 15
-
-
-def test_chat_shape_with_bytes_and_alternatives() -> None:
-    entries = [_entry((5, -3.0, 4), (8, -0.1, 1)), {}]
-    result = chat_logprobs([5, 6], entries, 1, TOKENIZER)  # type: ignore[arg-type]
-    assert result.content is not None
-    first, second = result.content
-    assert (first.token, first.logprob, first.bytes) == ("t5", -3.0, list(b"t5"))
-    assert [(t.token, t.logprob, t.bytes) for t in first.top_logprobs] == [
-        ("t8", -0.1, list(b"t8"))
-    ]
-    assert (second.token, second.logprob, second.top_logprobs) == ("<6>", float("-inf"), [])
