@@ -10,6 +10,7 @@ requests the runner already holds are sent as deltas in `CachedRequestData`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.sampling_params import SamplingParams
@@ -118,6 +119,13 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     """The stop token id (or, set by the front end, the stop string) that ended it."""
     num_cached_tokens: int = 0
+    error: str | None = None
+    """Set when the engine failed this request on its own (its step raised while the rest of the
+    batch went on, see `EngineCore.step`); finish_reason is then 'abort'. The front end answers
+    it with an error, never with a normal completion."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """With a KV connector: what the connector returns about the finished request (a producer's
+    lease on its blocks), passed back to the client in the response."""
 
     @property
     def finished(self) -> bool:
