@@ -198,6 +198,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         assert self.null_block.block_id == 0, "the null block must be block 0"
+        self._newly_cached: list[KVCacheBlock] = []
+        """Blocks indexed since the current step began (see `drop_newly_cached`)."""
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block holding `block_hash`'s content (free or owned), or None on a miss."""
@@ -247,6 +249,18 @@ class BlockPool:
             self._evict_hash(block)
             block.block_hash = block_hash
             self.cached_block_hash_to_block.insert(block_hash, block)
+            self._newly_cached.append(block)
+
+    def forget_newly_cached(self) -> None:
+        """Start a step: the blocks indexed so far hold KV that was computed."""
+        self._newly_cached.clear()
+
+    def drop_newly_cached(self) -> None:
+        """The step failed: unindex the blocks it indexed (their KV was never, or only partly,
+        written, so a later prefix hit on them would read garbage)."""
+        for block in self._newly_cached:
+            self._evict_hash(block)
+        self._newly_cached.clear()
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take shared ownership of `blocks` (prefix hits): revive free ones, bump ref counts."""

@@ -19,6 +19,7 @@ from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
 from fleetserve.engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from fleetserve.engine.core.scheduler import Scheduler
+from fleetserve.engine.core.step_isolation import is_unrecoverable
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.worker.executor import Executor
@@ -90,17 +91,32 @@ class EngineCore:
             the scheduler admits, preempts and finishes requests and allocates or frees their
             KV blocks; the workers run the forward pass and sample (when only finished or
             preempted ids are pending, they are still told, so they drop those states).
+
+        A step whose execution raises is rolled back and its requests isolated, so a request
+        that breaks a step fails alone (an output with `error`) while the others go on
+        (`step_isolation`). Errors that mean the device is gone, and an engine that fails
+        whatever it runs, propagate: the caller ends the engine.
         """
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            # Still tell the runner about finished requests so it frees their state.
-            runner_output = (
-                self.executor.execute_model(scheduler_output)
-                if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
-                else ModelRunnerOutput.empty()
+        try:
+            if scheduler_output.is_empty:
+                # Still tell the runner about finished requests so it frees their state.
+                runner_output = (
+                    self.executor.execute_model(scheduler_output)
+                    if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+                    else ModelRunnerOutput.empty()
+                )
+            else:
+                runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as error:
+            if is_unrecoverable(error):
+                raise
+            logger.exception(
+                "a step of %d request(s) failed; isolating them: %s",
+                len(scheduler_output.num_scheduled_tokens),
+                sorted(scheduler_output.num_scheduled_tokens),
             )
-        else:
-            runner_output = self.executor.execute_model(scheduler_output)
+            return self.scheduler.recover_from_failed_step(scheduler_output, error)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

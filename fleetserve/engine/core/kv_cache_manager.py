@@ -217,6 +217,14 @@ class KVCacheManager:
         self._new_block_ids.clear()
         return block_ids
 
+    def begin_step(self) -> None:
+        """A new step: what earlier steps indexed was computed (they succeeded)."""
+        self.block_pool.forget_newly_cached()
+
+    def discard_step(self) -> None:
+        """The current step failed: its newly indexed blocks hold no valid KV; unindex them."""
+        self.block_pool.drop_newly_cached()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False (nothing done) while any block is owned."""
         return self.block_pool.reset_prefix_cache()

@@ -85,6 +85,14 @@ class LogprobsLists:
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
+    def head(self, num_rows: int) -> LogprobsLists:
+        """The first `num_rows` rows (tokens after a stop are dropped, so are their logprobs)."""
+        return LogprobsLists(
+            logprob_token_ids=self.logprob_token_ids[:num_rows],
+            logprobs=self.logprobs[:num_rows],
+            sampled_token_ranks=self.sampled_token_ranks[:num_rows],
+        )
+
 
 @dataclass
 class ModelRunnerOutput:

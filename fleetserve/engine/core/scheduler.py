@@ -27,7 +27,6 @@ from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManage
 from fleetserve.engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
-    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -35,6 +34,8 @@ from fleetserve.engine.core.outputs import (
     concat_logprobs_rows,
 )
 from fleetserve.engine.core.request_queue import SchedulingPolicy, create_request_queue
+from fleetserve.engine.core.step_isolation import StepIsolation
+from fleetserve.engine.core.stop_conditions import check_stop
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
 from fleetserve.engine.request import Request, RequestStatus
 
@@ -81,6 +82,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Finished or aborted since the last `schedule()`; sent to the runner to drop."""
         self.num_preemptions = 0
+        self.isolation = StepIsolation()
+        """Suspects of a failed step, each run alone next (see `step_isolation`)."""
+        self._pending_preempted: set[str] = set()
+        """Preempted outside `schedule()` (a failed step's requests): told to the runner next."""
         self._num_tokens_sent: dict[str, int] = {}
         """Per running request: how many of its tokens the runner has been sent."""
 
@@ -148,7 +153,15 @@ class Scheduler:
     # -- schedule ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts under the token budget (see module doc)."""
+        """Pick this step's requests and token counts under the token budget (see module doc).
+
+        After a failed step its suspects run first, each alone in a step of its own.
+        """
+        self.kv_cache_manager.begin_step()
+        if self.isolation.active:
+            solo = self.isolation.next_solo(self.requests)
+            if solo is not None:
+                return self._schedule_alone(self.requests[solo])
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         scheduled_running: list[Request] = []
@@ -204,6 +217,67 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
 
+    def _schedule_alone(self, request: Request) -> SchedulerOutput:
+        """A step that runs only `request` (a suspect, waiting since its step failed), making
+        room by preempting running requests from the tail."""
+        preempted: list[Request] = []
+        num_new = self._admit(request, self.config.max_num_batched_tokens, threshold=0)
+        while num_new is None and self.running:
+            victim = self.running[-1]
+            del self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            num_new = self._admit(request, self.config.max_num_batched_tokens, threshold=0)
+        assert num_new is not None, f"suspect {request.request_id} does not fit even alone"
+        output = self._build_output([request], [], {}, {request.request_id: num_new}, preempted)
+        request.num_computed_tokens += num_new
+        return output
+
+    def recover_from_failed_step(
+        self, scheduler_output: SchedulerOutput, error: BaseException
+    ) -> list[EngineCoreOutput]:
+        """Undo a step whose execution raised, and isolate the request that caused it.
+
+        The step's requests are rolled back to before it and preempted (recomputed later). If
+        the step ran one suspect alone, that request is the culprit: it is finished with the
+        error; otherwise every request of the step becomes a suspect (see `step_isolation`).
+
+        Returns:
+            An output with `error` set for a request failed here (empty otherwise).
+
+        Raises:
+            RuntimeError: solo steps keep failing whoever runs: the engine itself is broken.
+        """
+        message = f"{type(error).__name__}: {error}"
+        # NOTE: blocks this step indexed may hold garbage; so may blocks another request of the
+        # step hit in the same step (sound only when the step completes): unindex them all.
+        self.kv_cache_manager.discard_step()
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            # NOTE: before any free: `free` unindexes blocks past num_computed_tokens, and the
+            # failed step's tokens were never written.
+            self.requests[request_id].num_computed_tokens -= num_tokens
+        outputs: list[EngineCoreOutput] = []
+        if self.isolation.solo is not None:
+            culprit = self.requests[self.isolation.solo_failed()]
+            self.finish_requests(culprit.request_id, RequestStatus.FINISHED_ABORTED)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=culprit.request_id,
+                    new_token_ids=[],
+                    finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason,
+                    num_cached_tokens=culprit.num_cached_tokens or 0,
+                    error=message,
+                )
+            )
+            return outputs
+        self.isolation.suspect(scheduler_output.num_scheduled_tokens)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[request_id]
+            self.running.remove(request)
+            self._preempt(request)
+            self._pending_preempted.add(request_id)
+        return outputs
+
     def _admit_waiting(
         self,
         budget: int,
@@ -214,52 +288,61 @@ class Scheduler:
         """Move WAITING/PREEMPTED requests into RUNNING while they fit; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_hit, num_external = KVCacheBlocks(), 0, 0
-            if request.num_computed_tokens == 0:
-                computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_hit
-                )
-                # NOTE: the asynchronous load path (WAITING_FOR_REMOTE_KVS) comes with the first
-                # real connector (issue 14); the no-op connector never asks for it.
-                assert not load_async, "asynchronous KV loads are not supported yet"
-            num_computed = request.num_computed_tokens + num_hit + num_external
-            num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            num_new = self._admit(request, budget, threshold)
+            if num_new is None:
                 break
-            num_new = self._cap_new_tokens(request, num_new, threshold, budget, num_computed)
-            assert num_new > 0, f"waiting request {request.request_id} has nothing to compute"
-            # NOTE: the watermark only guards admissions next to other requests: a sole request
-            # must always be admissible, or an engine with a tiny cache would never start one.
-            watermark = self.watermark_blocks if self.running else 0
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request,
-                num_new,
-                num_new_computed_tokens=num_hit,
-                new_computed_blocks=computed_blocks,
-                num_external_computed_tokens=num_external,
-                full_sequence_must_fit=self.config.full_sequence_must_fit,
-                watermark_blocks=watermark,
-            )
-            if new_blocks is None:
-                break
-            self.connector.update_state_after_alloc(
-                request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
-            )
-            if request.num_computed_tokens == 0:
-                # NOTE: counted once per admission, not per attempt: a request that waits for
-                # room is looked up again every step, which must not inflate the hit metrics.
-                self.kv_cache_manager.record_prefix_cache_lookup(request, num_hit)
-            self.waiting.pop()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_computed
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _admit(self, request: Request, budget: int, threshold: int) -> int | None:
+        """Allocate a waiting request's blocks and move it to RUNNING; returns the tokens it
+        computes this step, or None (nothing changed) when it does not fit."""
+        computed_blocks, num_hit, num_external = KVCacheBlocks(), 0, 0
+        if request.num_computed_tokens == 0:
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+            # NOTE: the asynchronous load path (WAITING_FOR_REMOTE_KVS) comes with the first
+            # real connector (issue 14); the no-op connector never asks for it.
+            assert not load_async, "asynchronous KV loads are not supported yet"
+        num_computed = request.num_computed_tokens + num_hit + num_external
+        num_new = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = self._cap_new_tokens(request, num_new, threshold, budget, num_computed)
+        assert num_new > 0, f"waiting request {request.request_id} has nothing to compute"
+        # NOTE: the watermark only guards admissions next to other requests: a sole request
+        # must always be admissible, or an engine with a tiny cache would never start one.
+        watermark = self.watermark_blocks if self.running else 0
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=computed_blocks,
+            num_external_computed_tokens=num_external,
+            full_sequence_must_fit=self.config.full_sequence_must_fit,
+            watermark_blocks=watermark,
+        )
+        if new_blocks is None:
+            return None
+        self.connector.update_state_after_alloc(
+            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
+        )
+        if request.num_computed_tokens == 0:
+            # NOTE: counted once per admission, not per attempt: a request that waits for
+            # room is looked up again every step, which must not inflate the hit metrics.
+            self.kv_cache_manager.record_prefix_cache_lookup(request, num_hit)
+        if self.waiting.peek() is request:
+            self.waiting.pop()
+        else:
+            self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_computed
+        return num_new
 
     def _cap_new_tokens(
         self,
@@ -336,13 +419,16 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             self._num_tokens_sent[request.request_id] = request.num_tokens
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        # NOTE: a failed step's requests were preempted outside schedule(); the runner learns it
+        # now (a request already re-admitted this step is rebuilt from its new data anyway).
+        pending, self._pending_preempted = self._pending_preempted, set()
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
-            preempted_req_ids={request.request_id for request in preempted},
+            preempted_req_ids={request.request_id for request in preempted} | pending,
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
@@ -378,11 +464,11 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if check_stop(request, self.max_seq_len):
                     break
             logprobs = model_runner_output.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.sampled_token_ranks) > len(new_token_ids):
-                logprobs = _head_rows(logprobs, len(new_token_ids))
+                logprobs = logprobs.head(len(new_token_ids))
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
@@ -398,30 +484,14 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+        if not scheduler_output.is_empty:
+            # NOTE: only a step that computed something shows the engine works.
+            self.isolation.step_succeeded()
         return outputs
-
-    def _check_stop(self, request: Request) -> bool:
-        """Apply the stop conditions after one appended token; sets the FINISHED_* status."""
-        params = request.sampling_params
-        over_length = request.num_tokens >= self.max_seq_len or (
-            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-        )
-        if request.num_output_tokens >= params.min_tokens:
-            last_token = request.output_token_ids[-1]
-            if not params.ignore_eos and last_token in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token
-                return True
-        if over_length:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"freeing unfinished request {request.request_id}"
+        self.isolation.forget(request.request_id)
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         delay_free, _ = self.connector.request_finished(request, block_ids)
         # NOTE: deferred frees (a producer's blocks held for its consumer) come with the first
@@ -464,12 +534,3 @@ class Scheduler:
                 f"waiting {request} owns blocks"
             )
         self.kv_cache_manager.block_pool.check_integrity()
-
-
-def _head_rows(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
-    """The first `num_rows` rows (tokens after a stop are dropped, so are their logprobs)."""
-    return LogprobsLists(
-        logprob_token_ids=logprobs.logprob_token_ids[:num_rows],
-        logprobs=logprobs.logprobs[:num_rows],
-        sampled_token_ranks=logprobs.sampled_token_ranks[:num_rows],
-    )

@@ -1,6 +1,8 @@
 """Property-based state machine over the real scheduler, KV cache manager and block pool.
 
-Hypothesis drives random sequences of add / abort / step / prefix-cache reset against a small
+Hypothesis drives random sequences of add / abort / step / prefix-cache reset / failing steps
+(a poisoned request makes any step it is in fail part-way, as a sampler rejecting its settings
+would; the scheduler must roll the step back and isolate the culprit) against a small
 cache (so preemption and eviction happen all the time), with prompts drawn from a few shared
 prefixes (so prefix hits happen too). A shadow copy of the KV cache records which token each
 slot holds, written by a fake runner exactly where the scheduler's block tables say; after every
@@ -25,6 +27,7 @@ from hypothesis.stateful import (
 
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.core.scheduler import Scheduler
+from fleetserve.engine.core.step_isolation import MAX_CONSECUTIVE_SOLO_FAILURES
 from fleetserve.engine.request import RequestStatus
 from tests.factories import make_request, make_scheduler
 
@@ -68,6 +71,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """block id -> the token each of its slots holds (None: never written)."""
         self.counter = 0
         self.refused = 0
+        self.poisoned: set[str] = set()
+        """Requests whose steps fail (as a sampler rejecting their settings would)."""
 
     # -- rules -----------------------------------------------------------------------------
 
@@ -100,9 +105,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         assert request_id not in self.scheduler.requests
 
+    # NOTE: each live poisoned request can fail one solo step; MAX_CONSECUTIVE_SOLO_FAILURES of
+    # them with no successful step between mean a broken engine, which ends it (tested in
+    # test_step_isolation), so the machine stays below that.
+    @precondition(
+        lambda self: (
+            bool(self.scheduler.requests)
+            and len(self.poisoned & set(self.scheduler.requests))
+            + self.scheduler.isolation.consecutive_solo_failures
+            + 1
+            < MAX_CONSECUTIVE_SOLO_FAILURES
+        )
+    )
+    @rule(data=st.data())
+    def poison(self, data: st.DataObject) -> None:
+        self.poisoned.add(data.draw(st.sampled_from(sorted(self.scheduler.requests))))
+
     @rule(token=st.sampled_from([30, 31, 7]))
     def step(self, token: int) -> None:
         output = self.scheduler.schedule()
+        if self.poisoned & set(output.num_scheduled_tokens):
+            # The step fails part-way: its slots hold garbage (-1), which no later hit may see.
+            self._write_shadow(output, garbage=True)
+            failed = self.scheduler.recover_from_failed_step(output, ValueError("poisoned"))
+            for failure in failed:
+                assert failure.req_id in self.poisoned and failure.error is not None
+                assert failure.req_id not in self.scheduler.requests
+            return
         # NOTE: writes first: a request may hit blocks that another request of the same step is
         # computing, which is sound because each layer writes the whole batch's K/V before any
         # row attends.
@@ -147,6 +176,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert manager.usage == 0.0, "idle scheduler still owns blocks"
 
     @invariant()
+    def only_poisoned_requests_fail(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        isolation = self.scheduler.isolation
+        assert set(isolation.suspects) <= set(self.scheduler.requests)
+
+    @invariant()
     def indexed_blocks_hold_written_kv(self) -> None:
         """A block in the prefix-cache index must hold KV for every slot: an index entry for a
         block that was allocated but never written (e.g. its request was preempted in the same
@@ -156,7 +192,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = self.scheduler.kv_cache_manager.block_pool
         for _, block in pool.cached_block_hash_to_block.items():
             slots = self.shadow.get(block.block_id, [None] * BLOCK_SIZE)
-            assert None not in slots, f"block {block.block_id} is indexed but holds {slots}"
+            assert None not in slots and -1 not in slots, (
+                f"block {block.block_id} is indexed but holds {slots}"
+            )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -172,7 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"expected {tokens[pos]}"
                 )
 
-    def _write_shadow(self, output: SchedulerOutput) -> None:
+    def _write_shadow(self, output: SchedulerOutput, *, garbage: bool = False) -> None:
         manager = self.scheduler.kv_cache_manager
         for block_id in output.new_block_ids_to_zero:
             self.shadow[block_id] = [None] * BLOCK_SIZE
@@ -182,7 +220,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             end = request.num_computed_tokens  # advanced by schedule()
             for pos in range(end - num_new, end):
                 slots = self.shadow.setdefault(block_ids[pos // BLOCK_SIZE], [None] * BLOCK_SIZE)
-                slots[pos % BLOCK_SIZE] = request.all_token_ids[pos]
+                slots[pos % BLOCK_SIZE] = -1 if garbage else request.all_token_ids[pos]
 
 
 TestSchedulerStateMachine = SchedulerMachine.TestCase
