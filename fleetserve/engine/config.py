@@ -218,16 +218,35 @@ class KVTransferConfig:
     """'fail' (end the request with an error) or 'recompute' (recompute the missing tokens)."""
     transfer_mode: str = "pull"
     """'pull' (the consumer reads) or 'push' (the producer writes as layers are computed)."""
+    host: str = "127.0.0.1"
+    """The address peers reach this engine's connector at (a pod's IP; loopback on one box)."""
+    side_channel_port: int = 0
+    """The control channel's port (0: any free port; peers learn it from the requests)."""
+    handshake_timeout_s: float = 5.0
+    """A peer that does not answer a handshake within this fails the requests naming it."""
+    transfer_timeout_s: float = 30.0
+    """A load not finished within this of its start fails (the watchdog)."""
+    num_threads: int = 4
+    """Cap on the transport's threads and lanes per peer (NICs limit them; seed part 2 §2.8)."""
 
     def __post_init__(self) -> None:
         for name, allowed in _KV_TRANSFER_CHOICES.items():
             value = getattr(self, name)
             _require(value in allowed, f"kv_transfer_config.{name}", f"one of {allowed}", value)
+        for name in ("lease_seconds", "handshake_timeout_s", "transfer_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"kv_transfer_config.{name}", "a positive number", value)
         _require(
-            self.lease_seconds > 0,
-            "kv_transfer_config.lease_seconds",
-            "a positive number",
-            self.lease_seconds,
+            0 <= self.side_channel_port < 65536,
+            "kv_transfer_config.side_channel_port",
+            "a TCP port (0: any)",
+            self.side_channel_port,
+        )
+        _require(
+            1 <= self.num_threads <= 64,
+            "kv_transfer_config.num_threads",
+            "in [1, 64]",
+            self.num_threads,
         )
 
     @classmethod

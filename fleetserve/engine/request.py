@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleetserve.engine.sampling_params import SamplingParams
 
@@ -71,6 +71,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -79,6 +80,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        """The P/D protocol's parameters (`kv_transfer.params`), read by the KV connector."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that ended the request, if any."""

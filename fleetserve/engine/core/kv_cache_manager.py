@@ -120,6 +120,7 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         watermark_blocks: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Reserve KV slots for the tokens scheduled this step (all-or-nothing).
 
@@ -136,6 +137,8 @@ class KVCacheManager:
             full_sequence_must_fit: also require room for prompt + max_tokens (capped by
                 max_model_len), so an admitted request is never preempted for lack of blocks.
             watermark_blocks: blocks that must stay free after this allocation.
+            delay_cache_blocks: do not index the new full blocks yet (a KV connector loads them
+                asynchronously; `cache_blocks` indexes them once the load is done).
 
         Returns:
             The newly allocated blocks (appended to the request's block table), or None when they
@@ -182,15 +185,23 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         self._new_block_ids.extend(block.block_id for block in new_blocks)
 
-        if self.enable_caching:
-            num_tokens_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
-            num_full_blocks = min(num_tokens_to_cache // self.block_size, len(request.block_hashes))
-            num_cached = self._num_cached_blocks.get(request.request_id, 0)
-            self.block_pool.cache_full_blocks(
-                request, req_blocks, num_cached, num_full_blocks, self.block_size
-            )
-            self._num_cached_blocks[request.request_id] = max(num_cached, num_full_blocks)
+        if not delay_cache_blocks:
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks among its first `num_tokens` tokens (their KV is, or
+        within this step will be, computed or loaded)."""
+        if not self.enable_caching:
+            return
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_tokens_to_cache = min(num_tokens, request.num_tokens)
+        num_full_blocks = min(num_tokens_to_cache // self.block_size, len(request.block_hashes))
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        self.block_pool.cache_full_blocks(
+            request, req_blocks, num_cached, num_full_blocks, self.block_size
+        )
+        self._num_cached_blocks[request.request_id] = max(num_cached, num_full_blocks)
 
     def free(self, request: Request) -> None:
         """Release all of `request`'s blocks, last block first (evicted before the prefix).

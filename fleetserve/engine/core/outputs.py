@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
+from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
 from fleetserve.engine.sampling_params import SamplingParams
 
 
@@ -106,6 +107,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """For requests that asked for prompt logprobs: one row per prompt position computed this
     step that has a next prompt token (row first = that token, then the top-k)."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """The KV connector's completions this step (loads and sends that finished or failed)."""
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 from fleetserve.engine.config import CacheConfig, SchedulerConfig
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from fleetserve.engine.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
     concat_logprobs_rows,
 )
+from fleetserve.engine.core.remote_kv import RemoteKV
 from fleetserve.engine.core.request_queue import SchedulingPolicy, create_request_queue
+from fleetserve.engine.core.scheduler_invariants import check_scheduler_invariants
+from fleetserve.engine.core.step_deltas import StepDeltas
 from fleetserve.engine.core.step_isolation import StepIsolation
 from fleetserve.engine.core.stop_conditions import check_stop
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
@@ -44,13 +46,16 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens, and owns their KV blocks.
 
     Every live request is in `requests` (the source of truth) and in exactly one of `waiting`
-    (WAITING or PREEMPTED) and `running` (RUNNING, owns blocks).
+    (WAITING or PREEMPTED; owns blocks only once its remote KV arrived), `running` (RUNNING,
+    owns blocks) and `remote_kv.parked` (WAITING_FOR_REMOTE_KVS, owns blocks a connector is
+    loading into).
 
     Args:
         scheduler_config: budgets, policy and admission options.
         cache_config: block size, prefix caching and the free-block watermark.
         num_kv_blocks: KV blocks available (including the null block 0).
         connector: the scheduler role of the KV connector (`NoKVConnector` when colocated).
+        load_failure_policy: 'fail' or 'recompute', for remote loads that fail (`remote_kv`).
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         connector: KVConnectorScheduler | None = None,
+        load_failure_policy: str = "fail",
     ) -> None:
         self.config = scheduler_config
         self.connector = connector if connector is not None else NoKVConnector()
@@ -76,6 +82,10 @@ class Scheduler:
         self.max_seq_len = min(
             scheduler_config.max_model_len, (num_kv_blocks - 1) * cache_config.block_size
         )
+        self.remote_kv = RemoteKV(
+            self.kv_cache_manager, self.connector, cache_config.block_size, load_failure_policy
+        )
+        """Requests waiting for remote KV and blocks held for transfers (see `remote_kv`)."""
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -86,8 +96,8 @@ class Scheduler:
         """Suspects of a failed step, each run alone next (see `step_isolation`)."""
         self._pending_preempted: set[str] = set()
         """Preempted outside `schedule()` (a failed step's requests): told to the runner next."""
-        self._num_tokens_sent: dict[str, int] = {}
-        """Per running request: how many of its tokens the runner has been sent."""
+        self.deltas = StepDeltas()
+        """What the runner has been sent of each request (new ones in full, then deltas)."""
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -113,6 +123,7 @@ class Scheduler:
                 f"{self.block_size} tokens but the cache holds {num_usable}; "
                 "shorten the prompt or max_tokens"
             )
+        self.connector.on_new_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -136,6 +147,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.remote_kv.parked[request_id]
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -143,6 +156,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        """Live requests, or transfers the workers must keep polling (held blocks)."""
+        return bool(self.requests) or self.remote_kv.pending
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -291,6 +308,8 @@ class Scheduler:
             num_new = self._admit(request, budget, threshold)
             if num_new is None:
                 break
+            if num_new == 0:
+                continue  # parked until its remote KV arrives
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -298,14 +317,15 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int, threshold: int) -> int | None:
         """Allocate a waiting request's blocks and move it to RUNNING; returns the tokens it
-        computes this step, or None (nothing changed) when it does not fit."""
-        computed_blocks, num_hit, num_external = KVCacheBlocks(), 0, 0
-        if request.num_computed_tokens == 0:
+        computes this step, 0 when it was parked for an asynchronous remote load instead, or
+        None (nothing changed) when it does not fit."""
+        computed_blocks, num_hit, num_external, load_async = KVCacheBlocks(), 0, 0, False
+        owns_blocks = bool(self.kv_cache_manager.get_block_ids(request.request_id))
+        if not owns_blocks:
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-            # NOTE: the asynchronous load path (WAITING_FOR_REMOTE_KVS) comes with the first
-            # real connector (issue 14); the no-op connector never asks for it.
-            assert not load_async, "asynchronous KV loads are not supported yet"
+        if load_async:
+            return self._park(request, computed_blocks, num_hit, num_external)
         num_computed = request.num_computed_tokens + num_hit + num_external
         num_new = request.num_tokens - num_computed
         if not self.config.enable_chunked_prefill and num_new > budget:
@@ -329,7 +349,7 @@ class Scheduler:
         self.connector.update_state_after_alloc(
             request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
         )
-        if request.num_computed_tokens == 0:
+        if not owns_blocks:
             # NOTE: counted once per admission, not per attempt: a request that waits for
             # room is looked up again every step, which must not inflate the hit metrics.
             self.kv_cache_manager.record_prefix_cache_lookup(request, num_hit)
@@ -343,6 +363,24 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
         return num_new
+
+    def _park(
+        self, request: Request, computed_blocks: KVCacheBlocks, num_hit: int, num_external: int
+    ) -> int | None:
+        """Park the request while a connector loads its remote prompt KV (0), or None when its
+        blocks do not fit."""
+        watermark = self.watermark_blocks if self.running else 0
+        if not self.remote_kv.park(
+            request,
+            computed_blocks,
+            num_hit,
+            num_external,
+            watermark_blocks=watermark,
+            full_sequence_must_fit=self.config.full_sequence_must_fit,
+        ):
+            return None
+        self.waiting.remove(request)
+        return 0
 
     def _cap_new_tokens(
         self,
@@ -385,7 +423,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._num_tokens_sent.pop(request.request_id, None)
+        self.deltas.forget(request.request_id)
         self.waiting.prepend(request)
 
     def _build_output(
@@ -396,39 +434,18 @@ class Scheduler:
         num_scheduled: dict[str, int],
         preempted: list[Request],
     ) -> SchedulerOutput:
-        new_reqs = []
-        for request in scheduled_new:
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-            self._num_tokens_sent[request.request_id] = request.num_tokens
-        cached = CachedRequestData()
-        for request in scheduled_running:
-            num_sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
-            cached.req_ids.append(request.request_id)
-            cached.new_token_ids.append(request.all_token_ids[num_sent:])
-            cached.new_block_ids.append(new_block_ids[request.request_id])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            self._num_tokens_sent[request.request_id] = request.num_tokens
         finished, self.finished_req_ids = self.finished_req_ids, set()
         # NOTE: a failed step's requests were preempted outside schedule(); the runner learns it
         # now (a request already re-admitted this step is rebuilt from its new data anyway).
         pending, self._pending_preempted = self._pending_preempted, set()
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+        output = self.deltas.build(
+            scheduled_new,
+            scheduled_running,
+            new_block_ids,
+            num_scheduled,
             finished_req_ids=finished,
             preempted_req_ids={request.request_id for request in preempted} | pending,
+            block_ids_of=self.kv_cache_manager.get_block_ids,
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
@@ -483,31 +500,58 @@ class Scheduler:
             request.prompt_logprobs_rows = None
             if request.is_finished:
                 self.running.remove(request)
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
+        outputs += self._apply_connector_output(model_runner_output)
         if not scheduler_output.is_empty:
             # NOTE: only a step that computed something shows the engine works.
             self.isolation.step_succeeded()
         return outputs
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Forget a finished request; returns the connector's `kv_transfer_params` for it.
+
+        Its blocks are freed now, or held while a transfer may still use them (the connector
+        says which; the workers report when they are released, see `remote_kv`).
+        """
         assert request.is_finished, f"freeing unfinished request {request.request_id}"
         self.isolation.forget(request.request_id)
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        delay_free, _ = self.connector.request_finished(request, block_ids)
-        # NOTE: deferred frees (a producer's blocks held for its consumer) come with the first
-        # real connector (issue 14); the no-op connector never holds blocks.
-        assert not delay_free, "connector-held blocks are not supported yet"
-        self.kv_cache_manager.free(request)
-        self._num_tokens_sent.pop(request.request_id, None)
+        delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if delay_free:
+            self.remote_kv.hold(request)
+        else:
+            self.kv_cache_manager.free(request)
+        self.deltas.forget(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return kv_transfer_params
+
+    def _apply_connector_output(
+        self, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Resume or fail parked requests whose loads finished, free released blocks; returns
+        the outputs of requests that failed here."""
+        kv_output = model_runner_output.kv_connector_output
+        if kv_output is None or kv_output.is_empty:
+            return []
+        failed: list[EngineCoreOutput] = []
+        for outcome in self.remote_kv.apply(kv_output):
+            request = outcome.request
+            if outcome.error is None:
+                self.waiting.prepend(request)
+                continue
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            failed.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                           error=outcome.error))  # fmt: skip
+        return failed
 
     # -- introspection -----------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.remote_kv.parked),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
@@ -516,21 +560,4 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Assert the container and KV invariants (cheap enough for every test step)."""
-        running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in self.waiting]
-        assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
-        assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-        assert sorted(running_ids + waiting_ids) == sorted(self.requests), (
-            "running + waiting differ from the live requests"
-        )
-        assert len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs"
-        for request in self.running:
-            assert request.status == RequestStatus.RUNNING, f"{request} in running"
-        for request in self.waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
-                f"{request} in waiting"
-            )
-            assert not self.kv_cache_manager.get_block_ids(request.request_id), (
-                f"waiting {request} owns blocks"
-            )
-        self.kv_cache_manager.block_pool.check_integrity()
+        check_scheduler_invariants(self)

@@ -44,6 +44,19 @@ class KVConnectorMetadata:
 class KVConnectorScheduler(ABC):
     """The scheduler role of a connector (see the module docstring for the call order)."""
 
+    def on_new_request(self, request: Request) -> None:
+        """A request was added (before any admission attempt).
+
+        Raises:
+            ValueError: its `kv_transfer_params` are malformed or not for this engine.
+        """
+        from fleetserve.engine.kv_transfer.params import parse_kv_transfer_params
+
+        if parse_kv_transfer_params(request.kv_transfer_params) is not None:
+            raise ValueError(
+                "kv_transfer_params need an engine with a KV connector (--kv-transfer-config)"
+            )
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -75,6 +88,10 @@ class KVConnectorScheduler(ABC):
             (True when the connector frees the blocks later (the scheduler must not), the
             `kv_transfer_params` to return to the client, or None).
         """
+
+    def load_finished(self, request_id: str) -> None:
+        """The workers reported a request's remote load finished (successfully or not)."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose remote load failed since the last call (their tokens are recomputed)."""

@@ -1,0 +1,67 @@
+"""The step contract's delta encoding: new requests go to the runner in full once, running ones
+as deltas (the tokens and blocks added since they were last sent)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fleetserve.engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from fleetserve.engine.request import Request
+
+__all__ = ["StepDeltas"]
+
+
+class StepDeltas:
+    """Remembers, per request, how many of its tokens the runner has been sent."""
+
+    def __init__(self) -> None:
+        self._num_tokens_sent: dict[str, int] = {}
+
+    def forget(self, request_id: str) -> None:
+        """The request left the runner (finished or preempted): it is sent in full next time."""
+        self._num_tokens_sent.pop(request_id, None)
+
+    def build(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        new_block_ids: dict[str, list[int]],
+        num_scheduled: dict[str, int],
+        *,
+        finished_req_ids: set[str],
+        preempted_req_ids: set[str],
+        block_ids_of: Callable[[str], list[int]],
+        new_block_ids_to_zero: list[int],
+    ) -> SchedulerOutput:
+        """The `SchedulerOutput` of one step (the connector's metadata is added by the caller)."""
+        new_reqs = []
+        for request in scheduled_new:
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids_of(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    eos_token_ids=request.eos_token_ids,
+                )
+            )
+            self._num_tokens_sent[request.request_id] = request.num_tokens
+        cached = CachedRequestData()
+        for request in scheduled_running:
+            num_sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
+            cached.req_ids.append(request.request_id)
+            cached.new_token_ids.append(request.all_token_ids[num_sent:])
+            cached.new_block_ids.append(new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            self._num_tokens_sent[request.request_id] = request.num_tokens
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+            new_block_ids_to_zero=new_block_ids_to_zero,
+        )
