@@ -1,0 +1,211 @@
+"""Local regions and transfer planning: validation, run coalescing and chunking.
+
+Shared by every transport. A plan is a list of `Run`s, each a range of blocks contiguous on
+both engines, ordered by layer so that layer 0 moves first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+from fleetserve.engine.kv_transfer.transport.base import BlockCopy, EndpointDescriptor, RegionInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from fleetserve.engine.kv_transfer.transport.shm import SharedKVArena
+
+__all__ = ["Direction", "Region", "Run", "coalesce", "make_region", "plan_transfer", "split_run"]
+
+Direction = Literal["pull", "push"]
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    """A registered local tensor and the raw view of its bytes.
+
+    `view` is a writable memoryview over the region's whole span, built from its address (the
+    tensor is kept alive by `tensor`): sockets send from and receive into slices of it, so no
+    byte is copied through an intermediate buffer.
+    """
+
+    name: str
+    layer: int
+    tensor: torch.Tensor
+    base_ptr: int
+    num_blocks: int
+    block_bytes: int
+    block_stride: int
+    view: memoryview
+    arena: SharedKVArena | None
+    """The shared-memory arena holding the tensor, when it was allocated from one."""
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether consecutive blocks are adjacent in memory (runs of blocks can coalesce)."""
+        return self.block_stride == self.block_bytes
+
+    def info(self) -> RegionInfo:
+        return RegionInfo(
+            name=self.name,
+            layer=self.layer,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            block_stride=self.block_stride,
+        )
+
+    def span(self, start: int, num_blocks: int) -> memoryview:
+        """The bytes of blocks [start, start + num_blocks) (one block unless contiguous)."""
+        offset = start * self.block_stride
+        return self.view[offset : offset + (num_blocks - 1) * self.block_stride + self.block_bytes]
+
+
+def make_region(
+    name: str, tensor: torch.Tensor, *, layer: int, arena: SharedKVArena | None
+) -> Region:
+    """Check that `tensor` can be served block by block and wrap it."""
+    if not name or len(name.encode()) > 255:
+        raise ValueError(f"region name must be 1-255 UTF-8 bytes, got {name!r}")
+    if layer < 0:
+        raise ValueError(f"region {name!r}: layer must be >= 0, got {layer}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"region {name!r}: this transport moves CPU tensors only, got device "
+            f"{tensor.device} (stage GPU KV through a CPU buffer, or use the mooncake transport "
+            "with its CUDA build)"
+        )
+    if tensor.dim() < 1 or tensor.shape[0] < 1:
+        raise ValueError(f"region {name!r}: need a tensor with a block dimension, got shape "
+                         f"{tuple(tensor.shape)}")
+    element = tensor.element_size()
+    block = tensor[0]
+    if not block.is_contiguous():
+        raise ValueError(f"region {name!r}: each block (tensor[b]) must be contiguous")
+    block_bytes = block.numel() * element
+    block_stride = tensor.stride(0) * element if tensor.shape[0] > 1 else block_bytes
+    if block_bytes == 0 or block_stride < block_bytes:
+        raise ValueError(
+            f"region {name!r}: block stride {block_stride} B is smaller than a block "
+            f"({block_bytes} B); blocks must not overlap"
+        )
+    num_blocks = int(tensor.shape[0])
+    span = (num_blocks - 1) * block_stride + block_bytes
+    base_ptr = tensor.data_ptr()
+    view = memoryview((ctypes.c_char * span).from_address(base_ptr)).cast("B")
+    if arena is not None and not arena.contains(base_ptr, span):
+        raise ValueError(f"region {name!r} does not lie inside the shared arena {arena.path}")
+    return Region(
+        name=name,
+        layer=layer,
+        tensor=tensor,
+        base_ptr=base_ptr,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        block_stride=block_stride,
+        view=view,
+        arena=arena,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Blocks [local_start, +num_blocks) here and [remote_start, +num_blocks) on the peer."""
+
+    local: Region
+    remote_index: int
+    """The region's index in the peer's descriptor (what requests name)."""
+    local_start: int
+    remote_start: int
+    num_blocks: int
+
+    @property
+    def layer(self) -> int:
+        return self.local.layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.local.block_bytes
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int], *, allow: bool = True) -> list[list[int]]:
+    """Group (src[i], dst[i]) pairs into runs [src_start, dst_start, length], consecutive on
+    both sides (sorted by source). With `allow=False` every pair is its own run."""
+    runs: list[list[int]] = []
+    for s, d in sorted(zip(src, dst, strict=True)):
+        if allow and runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return runs
+
+
+def _check_ids(ids: Iterable[int], num_blocks: int, what: str) -> None:
+    for block in ids:
+        if not isinstance(block, int) or isinstance(block, bool):
+            raise ValueError(f"{what}: block ids must be ints, got {block!r}")
+        if not 0 <= block < num_blocks:
+            raise ValueError(f"{what}: block id {block} out of range [0, {num_blocks})")
+
+
+def plan_transfer(
+    direction: Direction,
+    regions: dict[str, Region],
+    peer: EndpointDescriptor,
+    copies: Sequence[BlockCopy],
+) -> list[Run]:
+    """Validate `copies` against the local regions and the peer's descriptor and coalesce them.
+
+    Raises ValueError naming the region and the offending id for anything that cannot be valid.
+    Returns the runs ordered by (layer, region, start).
+    """
+    runs: list[Run] = []
+    destinations: dict[str, set[int]] = {}
+    for copy in copies:
+        local = regions.get(copy.region)
+        if local is None:
+            known = ", ".join(list(regions)[:8])
+            raise ValueError(f"no local region {copy.region!r} (registered: {known or 'none'})")
+        remote_index = peer.region_index(copy.region)
+        remote = peer.regions[remote_index]
+        if remote.block_bytes != local.block_bytes or remote.layer != local.layer:
+            raise ValueError(
+                f"region {copy.region!r}: local blocks are {local.block_bytes} B (layer "
+                f"{local.layer}), the peer's {remote.block_bytes} B (layer {remote.layer})"
+            )
+        local_ids, remote_ids = (
+            (copy.dst_block_ids, copy.src_block_ids)
+            if direction == "pull"
+            else (copy.src_block_ids, copy.dst_block_ids)
+        )
+        _check_ids(local_ids, local.num_blocks, f"region {copy.region!r} (local)")
+        _check_ids(remote_ids, remote.num_blocks, f"region {copy.region!r} (peer)")
+        seen = destinations.setdefault(copy.region, set())
+        for block in copy.dst_block_ids:
+            if block in seen:
+                raise ValueError(f"region {copy.region!r}: destination block {block} given twice")
+            seen.add(block)
+        contiguous = local.contiguous and remote.block_stride == remote.block_bytes
+        for src, dst, length in coalesce(copy.src_block_ids, copy.dst_block_ids, allow=contiguous):
+            local_start, remote_start = (dst, src) if direction == "pull" else (src, dst)
+            runs.append(Run(local, remote_index, local_start, remote_start, length))
+    runs.sort(key=lambda r: (r.layer, r.remote_index, r.remote_start))
+    return runs
+
+
+def split_run(run: Run, max_bytes: int) -> list[Run]:
+    """Cut a run into pieces of at most `max_bytes` (whole blocks; at least one block each)."""
+    per_piece = max(1, max_bytes // run.local.block_bytes)
+    if run.num_blocks <= per_piece:
+        return [run]
+    return [
+        replace(
+            run,
+            local_start=run.local_start + offset,
+            remote_start=run.remote_start + offset,
+            num_blocks=min(per_piece, run.num_blocks - offset),
+        )
+        for offset in range(0, run.num_blocks, per_piece)
+    ]

@@ -1,0 +1,211 @@
+"""Failures against real processes: killed, stalled and restarted peers, bad requests, dropped
+connections, revoked pushes, closing with transfers in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from fleetserve.engine.kv_transfer.transport import (
+    BlockCopy,
+    EndpointDescriptor,
+    FailureStage,
+    TransferState,
+    kv_region_name,
+)
+from tests.engine.kv_transfer.conftest import KINDS, Pair, start_pair, stop_pair
+from tests.engine.kv_transfer.peer import Peer
+
+ALL_K = [BlockCopy(kv_region_name(layer, "k"), range(8), range(8)) for layer in range(3)]
+
+
+def _inflate(descriptor: EndpointDescriptor, num_blocks: int) -> EndpointDescriptor:
+    """A descriptor claiming more blocks than the peer has (what a stale one could say)."""
+    regions = tuple(dataclasses.replace(r, num_blocks=num_blocks) for r in descriptor.regions)
+    return dataclasses.replace(descriptor, regions=regions)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_peer_killed_mid_transfer_fails_with_a_stage_and_no_hang(kind: str) -> None:
+    pair = start_pair(kind)
+    try:
+        ok = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=10).wait(15)
+        assert ok.state is TransferState.DONE  # lanes, mappings and segments are warm
+        pair.peer.pause()  # the request below reaches the peer's socket, never its answer
+        handle = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=3)
+        time.sleep(0.2)
+        assert handle.poll().state is TransferState.PENDING
+        started = time.monotonic()
+        pair.peer.kill()
+        status = handle.wait(10)
+        assert status.state is TransferState.FAILED
+        assert time.monotonic() - started < 4.0
+        assert status.failure is not None
+        assert status.failure.stage in (FailureStage.RECEIVE, FailureStage.SEND,
+                                        FailureStage.CONNECT, FailureStage.TIMEOUT)
+        # Ours is quiesced (the lane was torn down); Mooncake only when no data was submitted
+        # yet (its namespace check failed first).
+        if kind == "mooncake":
+            assert not status.failure.quiesced or status.failure.stage is FailureStage.CONNECT
+        else:
+            assert status.failure.quiesced
+        # Later transfers fail fast: nothing is listening any more.
+        again = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=3).wait(10)
+        assert again.state is TransferState.FAILED
+        assert again.elapsed_s < 3.5
+    finally:
+        stop_pair(pair)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stalled_peer_times_out_within_the_deadline_then_recovers(kind: str) -> None:
+    pair = start_pair(kind)
+    try:
+        assert pair.local.pull(pair.peer.descriptor, ALL_K).wait(15).state is TransferState.DONE
+        pair.peer.pause()
+        status = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=1.0).wait(10)
+        assert status.state is TransferState.FAILED
+        assert status.failure is not None and status.failure.stage is FailureStage.TIMEOUT
+        assert 0.9 < status.elapsed_s < 2.0, status.failure
+        pair.peer.resume()
+        if kind == "mooncake":
+            time.sleep(6)  # its engine holds the timed-out batch until MC_TRANSFER_TIMEOUT
+        after = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=10).wait(15)
+        assert after.state is TransferState.DONE, after.failure
+    finally:
+        stop_pair(pair)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "tcp-shm"])
+def test_restarted_producer_rejects_the_stale_namespace(kind: str) -> None:
+    pair = start_pair(kind)
+    try:
+        old = pair.peer.descriptor
+        assert pair.local.pull(old, ALL_K).wait(15).state is TransferState.DONE
+        pair.peer.kill()
+        # The same engine comes back on the same port, with a new namespace and new contents.
+        pair.peer = Peer.start("tcp", seed=5, shared=kind == "tcp-shm",
+                               options={"port": old.port})
+        assert pair.peer.descriptor.namespace != old.namespace
+        before = [c.clone() for c in pair.caches]
+        for handle in (pair.local.pull(old, ALL_K, timeout=5),
+                       pair.local.push(old, ALL_K, tag="stale", timeout=5)):
+            status = handle.wait(10)
+            assert status.state is TransferState.FAILED
+            assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
+            assert "stale namespace" in status.failure.message
+        assert all(torch.equal(a, b) for a, b in zip(before, pair.caches, strict=True))
+        assert pair.peer.call("stats")["rejected_requests"] >= 2
+        fresh = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=5).wait(10)
+        assert fresh.state is TransferState.DONE and fresh.same_host is (kind == "tcp-shm")
+    finally:
+        stop_pair(pair)
+
+
+def test_mooncake_rejects_a_stale_namespace(pair: Pair) -> None:
+    forged = dataclasses.replace(pair.peer.descriptor, namespace="ab" * 16)
+    before = [c.clone() for c in pair.caches]
+    for handle in (pair.local.pull(forged, ALL_K, timeout=5),
+                   pair.local.push(forged, ALL_K, tag="stale", timeout=5)):
+        status = handle.wait(10)
+        assert status.state is TransferState.FAILED
+        assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
+    assert all(torch.equal(a, b) for a, b in zip(before, pair.caches, strict=True))
+
+
+def test_out_of_range_blocks(pair: Pair) -> None:
+    honest = pair.peer.descriptor
+    with pytest.raises(ValueError, match=r"block id 24 out of range \[0, 24\)"):
+        pair.local.pull(honest, [BlockCopy("layer.0.k", [24], [0])])
+    with pytest.raises(ValueError, match="destination block 3 given twice"):
+        pair.local.pull(honest, [BlockCopy("layer.0.k", [1, 2], [3, 3])])
+    # A descriptor that lies about the peer's size gets past our checks; the peer refuses.
+    lying = _inflate(honest, 10**7)
+    before, peer_before = [c.clone() for c in pair.caches], pair.peer.caches()
+    pull = pair.local.pull(lying, [BlockCopy("layer.2.v", [0, 10**7 - 1], [0, 1])], timeout=5)
+    push = pair.local.push(lying, [BlockCopy("layer.2.v", [0], [10**7 - 1])], tag="oor",
+                           timeout=5)
+    for status in (pull.wait(10), push.wait(10)):
+        assert status.state is TransferState.FAILED
+        assert status.failure is not None
+        if pair.kind != "mooncake":
+            assert status.failure.stage is FailureStage.REJECTED
+            assert "out of range" in status.failure.message
+    assert torch.equal(pair.peer.caches()[2], peer_before[2])
+    if pair.kind != "mooncake":  # ours refuses the whole request before moving any byte
+        assert torch.equal(pair.caches[2], before[2])
+
+
+def test_push_over_a_dropped_connection_fails_and_is_not_replayed() -> None:
+    pair = start_pair("tcp", layers=1, num_blocks=4096,
+                      local_options={"config": {"lanes_per_peer": 1, "chunk_bytes": 1 << 16}})
+    try:
+        copies = [BlockCopy(kv_region_name(0, k), range(4096), range(4096)) for k in "kv"]
+        chunks = 2 * 4096 * 128 // (1 << 16)
+        before = pair.peer.caches()
+        pair.peer.call("drop_after", 2)
+        status = pair.local.push(pair.peer.descriptor, copies, tag="dropped", timeout=10).wait(15)
+        assert status.state is TransferState.FAILED
+        assert status.failure is not None and status.failure.quiesced
+        assert status.failure.stage in (FailureStage.SEND, FailureStage.RECEIVE)
+        assert "not retried" in status.failure.message
+        served = pair.peer.call("stats")["served_requests"]
+        time.sleep(0.5)
+        assert pair.peer.call("stats")["served_requests"] == served < chunks  # no replay
+        assert pair.peer.call("notifications") == []
+        after = pair.peer.caches()
+        changed = sum(int(not torch.equal(after[0][i, b], before[0][i, b]))
+                      for i in range(2) for b in range(4096))
+        assert changed <= (served + 1) * (1 << 16) // 128
+    finally:
+        stop_pair(pair)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "tcp-shm"])
+def test_revoked_push_tag_is_refused(kind: str, pair: Pair) -> None:
+    if pair.kind != kind:
+        pytest.skip("runs with its own kind")
+    assert pair.peer.call("revoke", "gone", 5.0) is True
+    before = pair.peer.caches()
+    status = pair.local.push(pair.peer.descriptor, ALL_K, tag="gone", timeout=5).wait(10)
+    assert status.state is TransferState.FAILED
+    assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
+    assert "revoked" in status.failure.message
+    assert all(torch.equal(a, b) for a, b in zip(before, pair.peer.caches(), strict=True))
+    assert pair.local.push(pair.peer.descriptor, ALL_K, tag="kept").wait(10).state is (
+        TransferState.DONE)
+
+
+def test_mooncake_cannot_promise_a_revocation(pair: Pair) -> None:
+    if pair.kind != "mooncake":
+        pytest.skip("mooncake only")
+    assert pair.peer.call("revoke", "gone", 1.0) is False
+    assert pair.local.push(pair.peer.descriptor, ALL_K, tag="gone").wait(10).state is (
+        TransferState.DONE)
+    assert [t for t, _ in pair.peer.call("notifications")] == []  # dropped as revoked
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closing_fails_what_is_in_flight_and_refuses_new_transfers(kind: str) -> None:
+    pair = start_pair(kind)
+    try:
+        assert pair.local.pull(pair.peer.descriptor, ALL_K).wait(15).state is TransferState.DONE
+        pair.peer.pause()
+        handle = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=20)
+        time.sleep(0.1)
+        if kind != "mooncake":
+            pair.local.close()
+            status = handle.wait(0)
+            assert status.state is TransferState.FAILED
+            assert status.failure is not None and status.failure.stage is FailureStage.CLOSED
+            assert status.failure.quiesced
+        pair.peer.resume()
+        pair.local.close()
+        assert handle.wait(10).state is not TransferState.PENDING
+        with pytest.raises(RuntimeError, match="closed"):
+            pair.local.pull(pair.peer.descriptor, ALL_K)
+    finally:
+        stop_pair(pair)
