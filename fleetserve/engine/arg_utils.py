@@ -221,7 +221,6 @@ class EngineArgs:
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("tensor_parallel_size", "tensor parallelism (the multi-rank executor)", "issue 16"),
     ("pipeline_parallel_size", "pipeline parallelism (the multi-rank executor)", "issue 16"),
-    ("kv_transfer_config", "KV-cache transfer between engines (P/D)", "issue 14"),
     ("data_parallel_size", "data-parallel ranks", "issue 16"),
     ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
     ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
@@ -231,9 +230,6 @@ _EPLB_ONLY = ("num_redundant_experts", "eplb_window_size", "eplb_step_interval",
 
 def _refuse_unimplemented(args: EngineArgs) -> None:
     defaults = EngineArgs()
-    if args.kv_transfer_config is not None:
-        # Parse first: a typo is reported as such, not as "not implemented".
-        KVTransferConfig.from_dict(args.kv_transfer_config)
     for name, feature, issue in _UNIMPLEMENTED:
         value = getattr(args, name)
         if value != getattr(defaults, name):

@@ -85,7 +85,6 @@ def test_chunked_prefill_off_needs_room_for_a_whole_prompt() -> None:
         ({"data_parallel_size": 2}, "data_parallel_size"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
         ({"enable_eplb": True}, "enable_eplb"),
-        ({"kv_transfer_config": {"connector": "tcp", "role": "consumer"}}, "kv_transfer_config"),
     ],
 )
 def test_unimplemented_options_are_refused_by_name(
@@ -110,12 +109,17 @@ def test_eplb_settings_need_eplb(model_dir: Path) -> None:
         ({"connector": "tcp", "role": "both", "lease_seconds": 0}, "lease_seconds"),
     ],
 )
-def test_kv_transfer_config_is_parsed_before_it_is_refused(
+def test_kv_transfer_config_is_parsed_strictly(
     model_dir: Path, value: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(model_dir), kv_transfer_config=value).create_engine_config()
     assert KVTransferConfig.from_dict({"connector": "mooncake", "role": "both"}).lease_seconds == 30
+    config = EngineArgs(
+        model=str(model_dir), device="cpu",
+        kv_transfer_config={"connector": "tcp", "role": "producer", "transfer_mode": "push"},
+    ).create_engine_config()  # fmt: skip
+    assert config.kv_transfer == KVTransferConfig("tcp", "producer", transfer_mode="push")
 
 
 def test_unknown_keyword_lists_the_known_ones(model_dir: Path) -> None:

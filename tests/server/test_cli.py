@@ -53,9 +53,7 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
     from fleetserve.engine.models.bundled import bundled_model_path
 
     model = str(bundled_model_path())
-    kv = '{"connector": "tcp", "role": "producer"}'
     for flags, name in (
-        (["--kv-transfer-config", kv], "kv_transfer_config"),
         (["--enable-eplb"], "enable_eplb"),
         (["--enable-expert-parallel"], "enable_expert_parallel"),
         (["--tensor-parallel-size", "2"], "tensor_parallel_size"),

@@ -13,7 +13,9 @@ executor class comes from the parallel topology (`Executor.get_class(config.para
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
+from typing import Any
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
@@ -26,6 +28,8 @@ from fleetserve.engine.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
+_TRANSFER_POLL_S = 0.001
+
 
 class EngineCore:
     """Owns the scheduler and the executor; not thread-safe (one caller drives `step`)."""
@@ -35,7 +39,32 @@ class EngineCore:
         executor_cls = Executor.get_class(config.parallel)
         self.executor: Executor = executor_cls(config)
         num_kv_blocks = self.executor.initialize()
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        connector = None
+        if config.kv_transfer is not None:
+            from fleetserve.engine.kv_transfer.factory import create_scheduler_role
+
+            identity = self.executor.collective_rpc("kv_connector_identity")[0]
+            connector = create_scheduler_role(config, identity)
+            logger.info(
+                "KV connector %s (%s, %s) as engine %s; control channel %s:%d, hash %s",
+                config.kv_transfer.connector,
+                config.kv_transfer.role,
+                config.kv_transfer.transfer_mode,
+                identity.engine_id,
+                identity.host,
+                identity.port,
+                identity.compatibility_hash,
+            )
+        self.connector_identity = connector.identity if connector is not None else None
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_kv_blocks,
+            connector=connector,
+            load_failure_policy=(
+                config.kv_transfer.load_failure_policy if config.kv_transfer else "fail"
+            ),
+        )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)
             if config.cache.enable_prefix_caching
@@ -58,8 +87,21 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
-        """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`)."""
+        """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`).
+
+        A prefill leg (`kv_transfer_params.do_remote_decode`) computes its prompt and one token,
+        whatever else it asked for: its decode engine generates the rest.
+
+        Raises:
+            ValueError: the request cannot be served here (its id is taken, it can never fit
+                the KV cache, or its `kv_transfer_params` are malformed or not for this engine).
+        """
+        if (kv_transfer_params or {}).get("do_remote_decode") is True:
+            if params.n != 1:
+                raise ValueError("n must be 1 for a prefill leg (kv_transfer_params)")
+            params = params.clone(max_tokens=1, min_tokens=0)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -70,6 +112,7 @@ class EngineCore:
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
                 block_hasher=self._block_hasher,
+                kv_transfer_params=kv_transfer_params,
             )
         )
 
@@ -98,12 +141,16 @@ class EngineCore:
         whatever it runs, propagate: the caller ends the engine.
         """
         scheduler_output = self.scheduler.schedule()
+        transfers_pending = self.scheduler.remote_kv.pending
         try:
             if scheduler_output.is_empty:
-                # Still tell the runner about finished requests so it frees their state.
+                # Still tell the runner about finished requests so it frees their state, and
+                # let the connector poll its transfers.
                 runner_output = (
                     self.executor.execute_model(scheduler_output)
-                    if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+                    if scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids
+                    or transfers_pending
                     else ModelRunnerOutput.empty()
                 )
             else:
@@ -117,10 +164,15 @@ class EngineCore:
                 sorted(scheduler_output.num_scheduled_tokens),
             )
             return self.scheduler.recover_from_failed_step(scheduler_output, error)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty and transfers_pending and not outputs:
+            # NOTE: only transfers in flight: poll them at about 1 kHz instead of spinning.
+            time.sleep(_TRANSFER_POLL_S)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Live requests, or KV transfers still in flight (the loop must keep polling)."""
+        return self.scheduler.has_pending_work()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

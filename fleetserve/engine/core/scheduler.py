@@ -82,6 +82,7 @@ class Scheduler:
         self.max_seq_len = min(
             scheduler_config.max_model_len, (num_kv_blocks - 1) * cache_config.block_size
         )
+        self.connector.bind_block_table(self.kv_cache_manager.get_block_ids)
         self.remote_kv = RemoteKV(
             self.kv_cache_manager, self.connector, cache_config.block_size, load_failure_policy
         )

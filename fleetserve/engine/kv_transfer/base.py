@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,10 @@ class KVConnectorMetadata:
 
 class KVConnectorScheduler(ABC):
     """The scheduler role of a connector (see the module docstring for the call order)."""
+
+    def bind_block_table(self, block_ids_of: Callable[[str], list[int]]) -> None:
+        """The scheduler's read-only view of request block tables (ids, never memory)."""
+        return None
 
     def on_new_request(self, request: Request) -> None:
         """A request was added (before any admission attempt).

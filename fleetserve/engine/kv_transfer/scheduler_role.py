@@ -65,15 +65,12 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         config: KVTransferConfig,
         block_size: int,
         identity: EngineIdentity,
-        block_ids_of: Callable[[str], list[int]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`block_ids_of(request_id)` reads the scheduler's block table of a request (a view of
-        ids, never of memory)."""
         self.config = config
         self.block_size = block_size
         self.identity = identity
-        self.block_ids_of = block_ids_of
+        self.block_ids_of: Callable[[str], list[int]] = lambda request_id: []
         self.clock = clock
         self._consumers: dict[str, ConsumerParams] = {}
         """Consumer requests whose load has not finished yet."""
@@ -81,6 +78,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._loading: set[str] = set()
         """Consumer requests whose load the workers were told to start."""
         self._meta = P2PMetadata()
+
+    def bind_block_table(self, block_ids_of: Callable[[str], list[int]]) -> None:
+        self.block_ids_of = block_ids_of
 
     @property
     def is_producer(self) -> bool:

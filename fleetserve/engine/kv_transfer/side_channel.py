@@ -73,7 +73,9 @@ class PushRequest(msgspec.Struct, tag="push_request"):
     """The consumer's control channel (where `PushDone` goes)."""
     consumer_transport: dict[str, Any]
     block_ids: list[int]
-    """The consumer's blocks, in prompt order, for the producer's blocks from the first."""
+    """The consumer's blocks for the prompt's blocks `first_block ..`, in prompt order."""
+    first_block: int = 0
+    """The prompt block the consumer's range starts at (it hit the ones before locally)."""
 
 
 class PushDone(msgspec.Struct, tag="push_done"):

@@ -19,6 +19,7 @@ Lifecycle (driven by the `Worker`): `load_model()` → `bind_kv_caches(caches)` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,7 @@ from fleetserve.engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from fleetserve.engine.kv_transfer.connector_meta import P2PMetadata
 from fleetserve.engine.layers.attention.layer import attention_layers
 from fleetserve.engine.layers.forward_context import ForwardContext, KVLayerHooks
 from fleetserve.engine.layers.layer_context import LayerContext
@@ -41,6 +43,9 @@ from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import InputPreparer, StepInputs, cdiv
 from fleetserve.engine.worker.logprobs import logprobs_row, prompt_logprobs
 from fleetserve.engine.worker.step_buffers import StepBuffers
+
+if TYPE_CHECKING:
+    from fleetserve.engine.kv_transfer.worker_role import P2PConnectorWorker
 
 
 class ModelRunner:
@@ -78,6 +83,9 @@ class ModelRunner:
         self.kv_hooks: KVLayerHooks | None = None
         """Per-layer KV connector hooks for the coming steps; while set, every step runs
         eagerly (see `fleetserve.engine.layers.forward_context`)."""
+        self.kv_connector: P2PConnectorWorker | None = None
+        """The KV connector's worker role (set by the worker when the engine has one): told
+        each step's metadata before the forward pass, polled after it, every step."""
         max_graph_batch = cuda_graph_capture_sizes(config.scheduler.max_num_seqs)[-1]
         self.buffers = StepBuffers(
             max(config.scheduler.max_num_batched_tokens, max_graph_batch),
@@ -109,6 +117,10 @@ class ModelRunner:
             )
         self.kv_caches = list(kv_caches)
         self._kv_caches_by_layer = dict(zip(names, kv_caches, strict=True))
+
+    def attention_layer_names(self) -> list[str]:
+        """The attention layers' names, in layer order (how KV hooks name them)."""
+        return list(self._kv_caches_by_layer)
 
     def capture_decode_graphs(self, sizes: tuple[int, ...]) -> None:
         """Capture one decode graph per size (CUDA; after `bind_kv_caches`, since graphs record
@@ -159,10 +171,28 @@ class ModelRunner:
         """
         assert self.model is not None, "load_model() must run before execute_model()"
         assert self.kv_caches, "bind_kv_caches() must run before execute_model()"
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_step(_p2p_metadata(scheduler_output))
+        # NOTE: new blocks are zeroed here, before any transfer into them can start (the
+        # connector starts loads only after this, in end_step).
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
+            output = ModelRunnerOutput.empty()
+        else:
+            output = self._run(scheduler_output, connector)
+        if connector is not None:
+            output.kv_connector_output = connector.end_step()
+        return output
+
+    def _run(
+        self, scheduler_output: SchedulerOutput, connector: P2PConnectorWorker | None
+    ) -> ModelRunnerOutput:
+        """The forward pass and sampling of a step that computes tokens."""
+        assert self.model is not None
         hooks = self.kv_hooks
+        if connector is not None and connector.saves_this_step:
+            hooks = connector
         inputs = self.input_preparer.prepare(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
@@ -188,6 +218,8 @@ class ModelRunner:
                 scheduler_output.num_scheduled_tokens,
                 self.device,
             )
+        if hooks is connector and connector is not None:
+            connector.wait_for_save()
         for req_id in inputs.req_ids:
             state = self.requests[req_id]
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
@@ -305,3 +337,8 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+
+
+def _p2p_metadata(scheduler_output: SchedulerOutput) -> P2PMetadata | None:
+    meta = scheduler_output.kv_connector_metadata
+    return meta if isinstance(meta, P2PMetadata) else None

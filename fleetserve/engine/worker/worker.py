@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,12 @@ from fleetserve.engine.models.loader import build_layer_context, torch_dtype
 from fleetserve.engine.worker.cuda_graphs import cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_prep import cdiv
 from fleetserve.engine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from fleetserve.engine.kv_transfer.scheduler_role import EngineIdentity
+    from fleetserve.engine.kv_transfer.stats import KVTransferStats
+    from fleetserve.engine.kv_transfer.transport import SharedKVArena
+    from fleetserve.engine.kv_transfer.worker_role import P2PConnectorWorker
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,9 @@ class Worker:
         self.device = torch.device(config.device.device)
         self.layer_context: LayerContext | None = None
         self._runner: ModelRunner | None = None
+        self.kv_connector: P2PConnectorWorker | None = None
+        """The KV connector's worker role, when the engine transfers KV (built in init_device)."""
+        self._kv_arena: SharedKVArena | None = None
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -82,6 +92,10 @@ class Worker:
             self.config, tp_rank=self.rank, tp_size=parallel.tensor_parallel_size
         )
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
+        if self.config.kv_transfer is not None:
+            from fleetserve.engine.kv_transfer.factory import create_worker_role
+
+            self.kv_connector = create_worker_role(self.config)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -139,11 +153,32 @@ class Worker:
         arch = self.arch
         block_size = self.config.cache.block_size
         shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_size)
-        kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(arch.num_hidden_layers)
-        ]
+        connector = self.kv_connector
+        if connector is not None and connector.wants_shared_memory and self.device.type == "cpu":
+            # NOTE: a same-host peer then copies our blocks with one memcpy per run instead of
+            # a socket round trip (the tcp transport's fast path); the tensors are zeroed.
+            from fleetserve.engine.kv_transfer.transport import SharedKVArena
+
+            self._kv_arena = SharedKVArena.create([shape] * arch.num_hidden_layers, self.dtype)
+            kv_caches = list(self._kv_arena.tensors)
+        else:
+            kv_caches = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(arch.num_hidden_layers)
+            ]
         self.model_runner.bind_kv_caches(kv_caches)
+        if connector is not None:
+            names = self.model_runner.attention_layer_names()
+            connector.register_kv_caches(kv_caches, layer_names=names, shared=self._kv_arena)
+            self.model_runner.kv_connector = connector
+
+    def kv_connector_stats(self) -> KVTransferStats | None:
+        """The connector's counters (and the transfer observations since the last call)."""
+        return None if self.kv_connector is None else self.kv_connector.stats.take()
+
+    def kv_connector_identity(self) -> EngineIdentity | None:
+        """How other engines reach this engine's connector (None without one)."""
+        return None if self.kv_connector is None else self.kv_connector.identity()
 
     def cuda_graph_off_reason(self) -> str | None:
         """None when decode batches should be captured as CUDA graphs, else why not.
@@ -199,5 +234,11 @@ class Worker:
         if self._runner is not None:
             self._runner.release()
             self._runner = None
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+        if self._kv_arena is not None:
+            self._kv_arena.close()
+            self._kv_arena = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

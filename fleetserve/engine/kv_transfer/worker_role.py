@@ -1,0 +1,668 @@
+"""The P2P connector's worker role: moves the bytes, keeps leases, never schedules.
+
+One instance per rank, owned by the `Worker`; it runs the engine's control server (handshakes,
+heartbeats, completions, push requests arrive there) and its transport (tcp or mooncake), and
+each step it takes the scheduler role's `P2PMetadata` (`start_step`) and returns what finished
+(`end_step`). Everything a step must not wait for (handshakes, the checks around a pull) runs in
+background threads; `end_step` only polls.
+
+Consumer, per request (`_Load`):
+    watched    heartbeats to the producer start at once (a request queued for capacity keeps
+               its lease), and so does the handshake with a new producer;
+    handshake  once per producer engine, however many requests name it (`PeerRegistry`); the
+               compatibility hash must match, or every request naming it fails (HANDSHAKE);
+    pull       a heartbeat answered "known" first (the producer still holds the blocks), then
+               one transfer of all layers; when it lands, `Done` tells the producer, and its
+               answer says whether the lease held throughout (if not, the bytes are invalid);
+    push       the consumer sends its block ids (`PushRequest`) and waits for `PushDone`;
+    finished   reported in `finished_recving` (a failure too, with the stage, so nothing waits
+               forever); a watchdog deadline turns silence into a failure.
+
+Producer, per transfer key (`_Held`): the finished prompt's blocks are leased (`LeaseTable`);
+`Done` or lease expiry releases them (`finished_sending`); in push mode the blocks are written
+into the consumer's as soon as its `PushRequest` is known: layer by layer during the steps that
+compute them (`save_kv_layer`), the rest when the prompt finishes, then `PushDone`.
+
+A block is never reused while a transfer may still write into it: a failed transfer is reported
+only once the transport says it is quiesced (else it is kept in flight until it is), and a
+consumer request ended while blocks were offered to a push revokes the push first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fleetserve.engine.config import KVTransferConfig
+from fleetserve.engine.kv_transfer.connector_meta import (
+    HoldSpec,
+    KVConnectorOutput,
+    LoadSpec,
+    P2PMetadata,
+    SaveSpec,
+)
+from fleetserve.engine.kv_transfer.lease import HeartbeatSchedule, LeaseTable
+from fleetserve.engine.kv_transfer.ledger import FailureLedger, TransferStage
+from fleetserve.engine.kv_transfer.params import ConsumerParams
+from fleetserve.engine.kv_transfer.peers import PeerRegistry
+from fleetserve.engine.kv_transfer.scheduler_role import EngineIdentity
+from fleetserve.engine.kv_transfer.side_channel import (
+    ControlClient,
+    ControlMessage,
+    ControlServer,
+    Done,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    PushDone,
+    PushRequest,
+    _Reply,
+)
+from fleetserve.engine.kv_transfer.stats import KVTransferStats
+from fleetserve.engine.kv_transfer.transport.base import (
+    BlockCopy,
+    EndpointDescriptor,
+    FailureStage,
+    KVTransport,
+    TransferHandle,
+    TransferState,
+    kv_region_name,
+)
+from fleetserve.engine.kv_transfer.transport.shm import SharedKVArena
+from fleetserve.engine.layers.attention.metadata import AttentionMetadata
+
+__all__ = ["P2PConnectorWorker", "new_engine_id"]
+
+logger = logging.getLogger(__name__)
+
+_STAGES = {
+    FailureStage.CONNECT: TransferStage.HANDSHAKE,
+    FailureStage.REJECTED: TransferStage.REGISTRATION,
+    FailureStage.SEND: TransferStage.SEND,
+    FailureStage.RECEIVE: TransferStage.RECEIVE,
+    FailureStage.TIMEOUT: TransferStage.WATCHDOG,
+    FailureStage.CLOSED: TransferStage.RECEIVE,
+    FailureStage.TRANSPORT: TransferStage.RECEIVE,
+}
+
+
+def new_engine_id() -> str:
+    """A fresh id per engine incarnation: a restarted producer is a different engine."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    """What a handshake taught us about a producer."""
+
+    engine_id: str
+    host: str
+    port: int
+    lease_seconds: float
+    descriptor: EndpointDescriptor
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    state: str = "handshake"
+    """handshake → checking → moving → verifying → done (or failed), or awaiting_push."""
+    job: Future[Any] | None = None
+    handle: TransferHandle | None = None
+    peer: _Peer | None = None
+    failure: str | None = None
+    """Set while "draining": why it failed, reported once nothing can write any more."""
+    drain_deadline: float = 0.0
+
+
+@dataclass
+class _Held:
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class _PushTarget:
+    """Where a producer writes a transfer's blocks (from the consumer's `PushRequest`)."""
+
+    request: PushRequest
+    peer: _Peer
+    blocks_pushed: dict[int, int] = field(default_factory=dict)
+    """Layer → the prompt block up to which that layer is written (exclusive)."""
+    handles: list[TransferHandle] = field(default_factory=list)
+    """The final pushes (after the prompt finished)."""
+    final: bool = False
+
+
+class P2PConnectorWorker:
+    """The worker role (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        *,
+        engine_id: str,
+        compatibility_hash: str,
+        compatibility_key: dict[str, Any],
+        block_size: int,
+        transport: KVTransport,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.compatibility_hash = compatibility_hash
+        self.compatibility_key = compatibility_key
+        self.block_size = block_size
+        self.transport = transport
+        self.clock = clock
+        self.stats = KVTransferStats()
+        self._lock = threading.Lock()
+        """Guards what the control thread touches: leases, held blocks, push targets."""
+        self.leases = LeaseTable(config.lease_seconds)
+        self._held: dict[str, _Held] = {}
+        self._released: set[str] = set()
+        """Producer request ids whose blocks may be freed (reported at the next end_step)."""
+        self._push_targets: dict[str, _PushTarget] = {}
+        self._early_pushes: dict[str, tuple[PushRequest, float]] = {}
+        """Push requests that arrived before their prompt finished or was known (bounded)."""
+        self._loads: dict[str, _Load] = {}
+        self._watched: dict[str, ConsumerParams] = {}
+        self._pushed_done: dict[str, PushDone] = {}
+        self.heartbeats = HeartbeatSchedule.for_lease(config.lease_seconds)
+        self.ledger = FailureLedger()
+        self.client = ControlClient(timeout_s=config.handshake_timeout_s)
+        self._io = ThreadPoolExecutor(config.num_threads, thread_name_prefix="kv-io")
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self.peers: PeerRegistry[_Peer] = PeerRegistry(self._handshake, clock=clock)
+        self._step_saves: list[SaveSpec] = []
+        self._step_pushes: list[tuple[str, TransferHandle]] = []
+        self._num_layers = 0
+        self.control = ControlServer(config.host, config.side_channel_port, self._on_control)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @property
+    def wants_shared_memory(self) -> bool:
+        """Whether the KV caches should live in shared memory (the tcp transport's same-host
+        path maps them; `SharedKVArena`)."""
+        return self.transport.kind == "tcp"
+
+    def register_kv_caches(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        layer_names: Sequence[str],
+        shared: SharedKVArena | None = None,
+    ) -> None:
+        """Serve (and pull into, and push from) these caches: one `[2, num_blocks, ...]` per
+        layer, in layer order; `layer_names` are the attention layers' names (the hooks')."""
+        if len(layer_names) != len(kv_caches):
+            raise ValueError(f"{len(kv_caches)} caches but {len(layer_names)} layer names")
+        self.transport.register_kv_caches(kv_caches, shared=shared)
+        self._num_layers = len(kv_caches)
+        self._layer_of = {name: i for i, name in enumerate(layer_names)}
+
+    def identity(self) -> EngineIdentity:
+        return EngineIdentity(
+            engine_id=self.engine_id,
+            host=self.config.host,
+            port=self.control.port,
+            compatibility_hash=self.compatibility_hash,
+        )
+
+    def close(self) -> None:
+        self.control.close()
+        self.peers.close()
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+        self.transport.close()
+
+    # -- control channel (its own thread) -----------------------------------------------------
+
+    def _on_control(self, message: ControlMessage) -> ControlMessage | None:
+        now = self.clock()
+        if isinstance(message, Handshake):
+            self.stats.handshakes_served += 1
+            return HandshakeReply(
+                engine_id=self.engine_id,
+                compatibility_hash=self.compatibility_hash,
+                compatibility_key=self.compatibility_key,
+                lease_seconds=self.config.lease_seconds,
+                transport=self.transport.descriptor().to_dict(),
+            )
+        if isinstance(message, Heartbeat):
+            with self._lock:
+                known = self.leases.heartbeat(message.keys, now)
+            return _Reply(known=known)
+        if isinstance(message, Done):
+            with self._lock:
+                known = [key for key in message.keys if self._release(key)]
+            return _Reply(known=known)
+        if isinstance(message, PushRequest):
+            with self._lock:
+                self._early_pushes[message.key] = (message, now)
+                while len(self._early_pushes) > 4096:  # bounded: drop the oldest
+                    self._early_pushes.pop(next(iter(self._early_pushes)))
+            return _Reply(known=[message.key])
+        if isinstance(message, PushDone):
+            with self._lock:
+                self._pushed_done[message.key] = message
+            return None
+        logger.warning("unexpected control message %r", message)
+        return None
+
+    def _release(self, key: str) -> bool:
+        """(Under the lock.) Free a held transfer's blocks; False when it was not held."""
+        held = self._held.pop(key, None)
+        had_lease = self.leases.release(key)
+        if held is not None:
+            self._released.add(held.request_id)
+        return held is not None and had_lease
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def start_step(self, meta: P2PMetadata | None) -> None:
+        """Act on the scheduler role's metadata (before the forward pass)."""
+        if meta is None:
+            return
+        now = self.clock()
+        for watch in meta.watches:
+            self._watch(watch.request_id, watch.params, now)
+        for load in meta.loads:
+            self._start_load(load, now)
+        for hold in meta.holds:
+            self._hold(hold, now)
+        for request_id in meta.cancels:
+            self._cancel(request_id)
+        self._step_saves = meta.saves
+
+    @property
+    def saves_this_step(self) -> bool:
+        """Whether this step's forward must run the per-layer save hook (push mode)."""
+        return bool(self._step_saves)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous (the request runs only once they finished): nothing to wait
+        for inside the forward pass."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
+        """Push mode: write this layer's newly completed blocks of every request of the step
+        whose consumer is known, as soon as the layer has them."""
+        layer = self._layer_of[layer_name]
+        for save in self._step_saves:
+            with self._lock:
+                target = self._push_target(save.key)
+            if target is None:
+                continue
+            upto = save.num_computed_tokens // self.block_size
+            handle = self._push_blocks(target, save.key, save.block_ids, layer, upto)
+            if handle is not None:
+                self._step_pushes.append((save.key, handle))
+                self.stats.layer_pushes += 1
+
+    def wait_for_save(self) -> None:
+        """The step's pushes are done (the source blocks may change after the step)."""
+        deadline = self.clock() + self.config.transfer_timeout_s
+        for key, handle in self._step_pushes:
+            status = handle.wait(max(0.0, deadline - self.clock()))
+            if status.state is not TransferState.DONE:
+                self._fail_push(key, status.failure.message if status.failure else "timed out")
+        self._step_pushes = []
+        self._step_saves = []
+
+    def end_step(self) -> KVConnectorOutput:
+        """Poll everything in flight; returns what finished since the last step."""
+        now = self.clock()
+        output = KVConnectorOutput()
+        self._advance_loads(now, output)
+        self._advance_pushes(now)
+        for peer_id, keys in self.heartbeats.due(now).items():
+            host, port = self._addresses[peer_id]
+            if not self.client.notify(host, port, Heartbeat(keys=keys)):
+                self.stats.control_messages_dropped += 1
+        with self._lock:
+            for key in self.leases.reap(now):
+                held = self._held.pop(key, None)
+                if held is not None:
+                    logger.warning(
+                        "releasing expired KV blocks of %s (lease of %.0f s, no consumer)",
+                        held.request_id,
+                        self.config.lease_seconds,
+                    )
+                    self.stats.lease_expirations += 1
+                    self._released.add(held.request_id)
+            output.finished_sending, self._released = self._released, set()
+            self.stats.active_leases = len(self.leases)
+        for failure in self.ledger.drain(now):
+            load = self._loads.get(failure.key)
+            if load is None:
+                continue
+            self.stats.count_failure(failure.stage.value)
+            message = f"{failure.stage.value}: {failure.message}"
+            if load.state == "moving":  # bytes may still be landing: fence until they stop
+                self._drain(load, message)
+                continue
+            self._finish_load(load, output, message)
+        return output
+
+    # -- consumer ------------------------------------------------------------------------------
+
+    def _watch(self, request_id: str, params: ConsumerParams, now: float) -> None:
+        self._watched[request_id] = params
+        self._addresses[params.remote_engine_id] = (params.remote_host, params.remote_port)
+        self.heartbeats.add(params.remote_request_id, params.remote_engine_id, now)
+        self.peers.connect(params.remote_engine_id)  # start the handshake early
+
+    def _handshake(self, engine_id: str) -> _Peer:
+        """(A handshake thread.) Ask the producer who it is; refuse an incompatible or
+        restarted one with a message naming both sides."""
+        host, port = self._addresses[engine_id]
+        self.stats.handshakes += 1
+        reply = self.client.request(host, port, Handshake(engine_id=self.engine_id))
+        if not isinstance(reply, HandshakeReply):
+            raise RuntimeError(f"{host}:{port} answered a handshake with {type(reply).__name__}")
+        if reply.engine_id != engine_id:
+            raise RuntimeError(
+                f"the producer at {host}:{port} is engine {reply.engine_id!r}, not {engine_id!r}:"
+                " it restarted, and the blocks the request names are gone"
+            )
+        if reply.compatibility_hash != self.compatibility_hash:
+            differ = sorted(
+                k
+                for k in set(reply.compatibility_key) | set(self.compatibility_key)
+                if reply.compatibility_key.get(k) != self.compatibility_key.get(k)
+            )
+            raise ValueError(
+                f"KV compatibility hash mismatch: this engine has {self.compatibility_hash}, "
+                f"producer {engine_id} has {reply.compatibility_hash} (they differ in "
+                f"{', '.join(differ) or 'nothing visible'}); these engines cannot exchange KV"
+            )
+        return _Peer(
+            engine_id=engine_id,
+            host=host,
+            port=port,
+            lease_seconds=reply.lease_seconds,
+            descriptor=EndpointDescriptor.from_dict(reply.transport),
+        )
+
+    def _start_load(self, spec: LoadSpec, now: float) -> None:
+        self._loads[spec.request_id] = _Load(spec)
+        self.ledger.watch(spec.request_id, spec.deadline_s)
+
+    def _advance_loads(self, now: float, output: KVConnectorOutput) -> None:
+        for load in list(self._loads.values()):
+            try:
+                self._advance(load, output)
+            except Exception as exc:  # a transport refusing the request at once, etc.
+                stage = TransferStage.HANDSHAKE if load.peer is None else TransferStage.RECEIVE
+                self.ledger.report(load.spec.request_id, stage, f"{type(exc).__name__}: {exc}")
+
+    def _advance(self, load: _Load, output: KVConnectorOutput) -> None:
+        spec, key = load.spec, load.spec.params.remote_request_id
+        request_id = spec.request_id
+        if load.state == "handshake":
+            future = self.peers.connect(spec.params.remote_engine_id)
+            if not future.done():
+                return
+            error = future.exception()
+            if error is not None:
+                self.ledger.report(request_id, TransferStage.HANDSHAKE, str(error))
+                return
+            load.peer = future.result()
+            if self.config.transfer_mode == "push":
+                self._request_push(load)
+                load.state = "awaiting_push"
+            else:
+                load.job = self._io.submit(self._lease_is_held, load.peer, key, Heartbeat)
+                load.state = "checking"
+        elif load.state == "checking":
+            if load.job is None or not load.job.done():
+                return
+            if not load.job.result():
+                self.ledger.report(
+                    request_id,
+                    TransferStage.REGISTRATION,
+                    f"producer {spec.params.remote_engine_id} no longer holds transfer {key}",
+                )
+                return
+            assert load.peer is not None
+            load.handle = self.transport.pull(load.peer.descriptor, self._copies(load))
+            self.peers.begin_transfer(load.peer.engine_id)
+            load.state = "moving"
+        elif load.state == "moving":
+            assert load.handle is not None and load.peer is not None
+            status = load.handle.poll()
+            if status.state is TransferState.PENDING:
+                return
+            if status.state is TransferState.FAILED:
+                failure = status.failure
+                assert failure is not None
+                if not failure.quiesced:
+                    self._drain(load, f"{_STAGES[failure.stage].value}: {failure.message}")
+                    return
+                self.peers.end_transfer(load.peer.engine_id)
+                self.ledger.report(request_id, _STAGES[failure.stage], failure.message)
+                return
+            self.peers.end_transfer(load.peer.engine_id)
+            self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
+            load.job = self._io.submit(self._lease_is_held, load.peer, key, Done)
+            load.state = "verifying"
+        elif load.state == "verifying":
+            if load.job is None or not load.job.done():
+                return
+            if not load.job.result():
+                self.ledger.report(
+                    request_id,
+                    TransferStage.RECEIVE,
+                    f"the producer's lease on {key} ended during the transfer (the consumer "
+                    "stalled past it); its blocks may have been reused",
+                )
+                return
+            self._finish_load(load, output, None)
+        elif load.state == "draining":
+            # NOTE: the transport cannot say its writes stopped (Mooncake): wait for it, or for
+            # its own transfer timeout, before the blocks may be reused.
+            assert load.handle is not None and load.peer is not None
+            status = load.handle.poll()
+            quiesced = status.failure is not None and status.failure.quiesced
+            if not (quiesced or self.clock() >= load.drain_deadline):
+                return
+            self.peers.end_transfer(load.peer.engine_id)
+            self._finish_load(load, output, load.failure)
+        elif load.state == "awaiting_push":
+            with self._lock:
+                done = self._pushed_done.pop(key, None)
+            if done is None:
+                return
+            if not done.ok:
+                self.ledger.report(request_id, TransferStage.SEND, done.message)
+                return
+            self._finish_load(load, output, None)
+
+    def _drain(self, load: _Load, failure: str) -> None:
+        """Fail a load whose transfer may still be writing: only once it stopped (or after the
+        transport's own timeout) is it reported, so the blocks stay fenced until then."""
+        load.state, load.failure = "draining", failure
+        load.drain_deadline = self.clock() + self.config.transfer_timeout_s
+
+    def _lease_is_held(self, peer: _Peer, key: str, kind: type[Heartbeat] | type[Done]) -> bool:
+        """(An io thread.) A heartbeat (before a pull) or `Done` (after it), answered with
+        whether the producer held the transfer's lease at that moment.
+
+        NOTE: a producer grants the lease in the step after the prompt finished, and its
+        response may reach us first; so before a pull an unknown key is asked again (every
+        50 ms, up to the transfer timeout) before it counts as gone. After the pull a key
+        must be known at once: the lease was renewed throughout, or the bytes are suspect.
+        """
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while True:
+            reply = self.client.request(peer.host, peer.port, kind(keys=[key]))
+            if isinstance(reply, _Reply) and key in reply.known:
+                return True
+            if kind is Done or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _copies(self, load: _Load) -> list[BlockCopy]:
+        spec = load.spec
+        remote_ids = spec.params.remote_block_ids
+        assert remote_ids is not None, "a pull needs the producer's block ids"
+        src = list(remote_ids[spec.first_block : spec.first_block + len(spec.local_block_ids)])
+        dst = list(spec.local_block_ids)
+        return [
+            BlockCopy(kv_region_name(layer, kind), src, dst)
+            for layer in range(self._num_layers)
+            for kind in ("k", "v")
+        ]
+
+    def _request_push(self, load: _Load) -> None:
+        assert load.peer is not None
+        message = PushRequest(
+            key=load.spec.params.remote_request_id,
+            consumer_engine_id=self.engine_id,
+            consumer_host=self.config.host,
+            consumer_port=self.control.port,
+            consumer_transport=self.transport.descriptor().to_dict(),
+            block_ids=list(load.spec.local_block_ids),
+            first_block=load.spec.first_block,
+        )
+        if not self.client.notify(load.peer.host, load.peer.port, message):
+            self.ledger.report(
+                load.spec.request_id, TransferStage.SEND, "the push request could not be sent"
+            )
+
+    def _finish_load(self, load: _Load, output: KVConnectorOutput, failure: str | None) -> None:
+        spec = load.spec
+        self._loads.pop(spec.request_id, None)
+        self.ledger.complete(spec.request_id)
+        self.heartbeats.remove(spec.params.remote_request_id)
+        output.finished_recving.add(spec.request_id)
+        if failure is None:
+            self.stats.tokens_loaded += len(spec.local_block_ids) * self.block_size
+            return
+        output.failed_recving[spec.request_id] = failure
+        output.invalid_block_ids |= set(spec.local_block_ids)
+        if self.config.transfer_mode == "push" and not self.transport.revoke_pushes(
+            spec.params.remote_request_id
+        ):
+            logger.error("a push into %s may still be writing", spec.request_id)
+        if load.peer is not None:  # let the producer free its blocks now, not at lease end
+            self.client.notify(
+                load.peer.host, load.peer.port, Done(keys=[spec.params.remote_request_id])
+            )
+
+    def _cancel(self, request_id: str) -> None:
+        """A request ended: stop renewing its lease; a load not yet moving bytes ends now."""
+        params = self._watched.pop(request_id, None)
+        if params is not None:
+            self.heartbeats.remove(params.remote_request_id)
+        load = self._loads.get(request_id)
+        if load is not None and load.state in ("handshake", "checking", "awaiting_push"):
+            self.ledger.report(request_id, TransferStage.RECEIVE, "the request ended")
+        with self._lock:
+            self._early_pushes.pop(request_id, None)
+
+    # -- producer ------------------------------------------------------------------------------
+
+    def _hold(self, spec: HoldSpec, now: float) -> None:
+        with self._lock:
+            self._held[spec.key] = _Held(spec.request_id, spec.block_ids, spec.num_tokens)
+            self.leases.grant(spec.key, now)
+            target = self._push_target(spec.key)
+        if target is not None:
+            self._finish_push(target, spec)
+
+    def _push_target(self, key: str) -> _PushTarget | None:
+        """(Under the lock.) The push target of a transfer, created from its push request."""
+        target = self._push_targets.get(key)
+        if target is not None:
+            return target
+        early = self._early_pushes.pop(key, None)
+        if early is None:
+            return None
+        request = early[0]
+        peer = _Peer(
+            engine_id=request.consumer_engine_id,
+            host=request.consumer_host,
+            port=request.consumer_port,
+            lease_seconds=self.config.lease_seconds,
+            descriptor=EndpointDescriptor.from_dict(request.consumer_transport),
+        )
+        target = _PushTarget(request, peer)
+        self._push_targets[key] = target
+        return target
+
+    def _push_blocks(
+        self, target: _PushTarget, key: str, block_ids: Sequence[int], layer: int, upto: int
+    ) -> TransferHandle | None:
+        """Write the layer's blocks `[pushed, upto)` of the consumer's range, if any."""
+        first = target.request.first_block
+        last = first + len(target.request.block_ids)
+        start = max(target.blocks_pushed.get(layer, first), first)
+        end = min(upto, last, len(block_ids))
+        if end <= start:
+            return None
+        src = list(block_ids[start:end])
+        dst = target.request.block_ids[start - first : end - first]
+        copies = [BlockCopy(kv_region_name(layer, kind), src, dst) for kind in ("k", "v")]
+        target.blocks_pushed[layer] = end
+        return self.transport.push(target.peer.descriptor, copies, tag=key)
+
+    def _finish_push(self, target: _PushTarget, spec: HoldSpec) -> None:
+        """The prompt finished: write everything not written yet (every layer, the partial last
+        block included); `_advance_pushes` reports and releases once it landed."""
+        upto = -(-spec.num_tokens // self.block_size)
+        for layer in range(self._num_layers):
+            handle = self._push_blocks(target, spec.key, spec.block_ids, layer, upto)
+            if handle is not None:
+                target.handles.append(handle)
+        target.final = True
+
+    def _fail_push(self, key: str, message: str) -> None:
+        with self._lock:
+            target = self._push_targets.pop(key, None)
+            self._release(key)
+        if target is not None:
+            self.client.notify(target.peer.host, target.peer.port,
+                               PushDone(key=key, ok=False, message=message))  # fmt: skip
+
+    def _advance_pushes(self, now: float) -> None:
+        with self._lock:
+            late = [k for k in self._early_pushes if k in self._held]
+            late_targets = [(self._push_target(k), self._held[k]) for k in late]
+        for target, held in late_targets:  # the consumer asked after the prompt finished
+            assert target is not None
+            spec = HoldSpec(held.request_id, target.request.key, held.block_ids, held.num_tokens)
+            self._finish_push(target, spec)
+        with self._lock:
+            finals = [(k, t) for k, t in self._push_targets.items() if t.final]
+            for key, (_, arrived) in list(self._early_pushes.items()):
+                if now - arrived > self.config.lease_seconds:
+                    del self._early_pushes[key]  # its prompt never came (bounded by time too)
+        for key, target in finals:
+            states = [h.poll() for h in target.handles]
+            if any(s.state is TransferState.PENDING for s in states):
+                continue
+            failed = [s for s in states if s.state is TransferState.FAILED]
+            if failed:
+                self._fail_push(key, failed[0].failure.message if failed[0].failure else "")
+                continue
+            for status in states:
+                self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
+            with self._lock:
+                self._push_targets.pop(key, None)
+                self._release(key)
+            self.client.notify(target.peer.host, target.peer.port, PushDone(key=key, ok=True))
