@@ -53,6 +53,9 @@ class LoadSpec:
     the producer's blocks to read are `params.remote_block_ids[first_block:]` (pull)."""
     deadline_s: float
     """Monotonic time by which the load must have finished or failed (the watchdog's)."""
+    error: str | None = None
+    """Set when the load cannot even start (the params do not cover the blocks): the workers
+    report it failed at once."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,21 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                     f"kv_transfer_params: do_remote_prefill needs a consumer engine, this one "
                     f"is a {self.config.role}"
                 )
+            mine = self.identity.compatibility_hash
+            if params.compatibility_hash is not None and params.compatibility_hash != mine:
+                raise ValueError(
+                    f"kv_transfer_params.compatibility_hash {params.compatibility_hash} (producer "
+                    f"{params.remote_engine_id}) does not match this engine's {mine}: their KV "
+                    "blocks mean different things (model, dtype, block size, layout, connector "
+                    "or transfer mode differ)"
+                )
+            needed = -(-(params.remote_num_tokens or 0) // self.block_size)
+            if params.remote_block_ids is not None and len(params.remote_block_ids) < needed:
+                raise ValueError(
+                    f"kv_transfer_params.remote_block_ids names {len(params.remote_block_ids)} "
+                    f"blocks for {params.remote_num_tokens} tokens; blocks of {self.block_size} "
+                    f"tokens need {needed}"
+                )
             self._consumers[request.request_id] = params
             self._meta.watches.append(WatchSpec(request.request_id, params))
         elif isinstance(params, ProducerParams):
@@ -141,8 +156,11 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         first_block = request.num_computed_tokens // self.block_size
         last_block = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
         remote_ids = params.remote_block_ids
+        error = None
         if remote_ids is not None and len(remote_ids) < last_block:
-            raise ValueError(
+            # NOTE: reported as a failed load (never raised here, inside the step): the policy
+            # then fails or recomputes the request like any other load failure.
+            error = (
                 f"kv_transfer_params.remote_block_ids names {len(remote_ids)} blocks, but the "
                 f"prompt's first {request.num_computed_tokens + num_external_tokens} tokens "
                 f"need {last_block}"
@@ -155,6 +173,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                 local_block_ids=tuple(block_ids[first_block:last_block]),
                 first_block=first_block,
                 deadline_s=self.clock() + self.config.transfer_timeout_s,
+                error=error,
             )
         )
 

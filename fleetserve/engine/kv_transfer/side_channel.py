@@ -86,6 +86,9 @@ class PushDone(msgspec.Struct, tag="push_done"):
 
 class _Reply(msgspec.Struct, tag="reply"):
     known: list[str] = msgspec.field(default_factory=list)
+    """Keys whose lease the producer holds (now extended, for a heartbeat)."""
+    gone: dict[str, str] = msgspec.field(default_factory=dict)
+    """Keys the producer no longer holds, with why (released, lease expired)."""
 
 
 ControlMessage = Handshake | HandshakeReply | Heartbeat | Done | PushRequest | PushDone | _Reply

@@ -172,6 +172,8 @@ class P2PConnectorWorker:
         self.leases = LeaseTable(config.lease_seconds)
         self._held: dict[str, _Held] = {}
         self._released: set[str] = set()
+        self._gone: dict[str, str] = {}
+        """Transfer keys released recently, with why (see `_remember_gone`)."""
         """Producer request ids whose blocks may be freed (reported at the next end_step)."""
         self._push_targets: dict[str, _PushTarget] = {}
         self._early_pushes: dict[str, tuple[PushRequest, float]] = {}
@@ -244,11 +246,15 @@ class P2PConnectorWorker:
         if isinstance(message, Heartbeat):
             with self._lock:
                 known = self.leases.heartbeat(message.keys, now)
-            return _Reply(known=known)
+                gone = {k: self._gone[k] for k in message.keys if k in self._gone}
+            return _Reply(known=known, gone=gone)
         if isinstance(message, Done):
             with self._lock:
-                known = [key for key in message.keys if self._release(key)]
-            return _Reply(known=known)
+                known = [key for key in message.keys if self._release(key, "released")]
+                gone = {
+                    k: self._gone[k] for k in message.keys if k not in known and k in self._gone
+                }
+            return _Reply(known=known, gone=gone)
         if isinstance(message, PushRequest):
             with self._lock:
                 self._early_pushes[message.key] = (message, now)
@@ -262,13 +268,21 @@ class P2PConnectorWorker:
         logger.warning("unexpected control message %r", message)
         return None
 
-    def _release(self, key: str) -> bool:
+    def _release(self, key: str, why: str) -> bool:
         """(Under the lock.) Free a held transfer's blocks; False when it was not held."""
         held = self._held.pop(key, None)
         had_lease = self.leases.release(key)
         if held is not None:
             self._released.add(held.request_id)
+            self._remember_gone(key, why)
         return held is not None and had_lease
+
+    def _remember_gone(self, key: str, why: str) -> None:
+        """(Under the lock.) Consumers asking about a released transfer learn why at once
+        (instead of waiting for a lease that will never come); bounded, oldest dropped."""
+        self._gone[key] = why
+        while len(self._gone) > 100_000:
+            self._gone.pop(next(iter(self._gone)))
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -344,6 +358,9 @@ class P2PConnectorWorker:
                     )
                     self.stats.lease_expirations += 1
                     self._released.add(held.request_id)
+                    self._remember_gone(
+                        key, f"its lease of {self.config.lease_seconds:g} s expired"
+                    )
             output.finished_sending, self._released = self._released, set()
             self.stats.active_leases = len(self.leases)
         for failure in self.ledger.drain(now):
@@ -401,6 +418,8 @@ class P2PConnectorWorker:
     def _start_load(self, spec: LoadSpec, now: float) -> None:
         self._loads[spec.request_id] = _Load(spec)
         self.ledger.watch(spec.request_id, spec.deadline_s)
+        if spec.error is not None:
+            self.ledger.report(spec.request_id, TransferStage.REGISTRATION, spec.error)
 
     def _advance_loads(self, now: float, output: KVConnectorOutput) -> None:
         for load in list(self._loads.values()):
@@ -414,7 +433,11 @@ class P2PConnectorWorker:
         spec, key = load.spec, load.spec.params.remote_request_id
         request_id = spec.request_id
         if load.state == "handshake":
-            future = self.peers.connect(spec.params.remote_engine_id)
+            # NOTE: keep the first future: a failed handshake is dropped from the registry (so a
+            # later request retries), and asking again would start a new one for this load.
+            if load.job is None:
+                load.job = self.peers.connect(spec.params.remote_engine_id)
+            future = load.job
             if not future.done():
                 return
             error = future.exception()
@@ -430,6 +453,10 @@ class P2PConnectorWorker:
                 load.state = "checking"
         elif load.state == "checking":
             if load.job is None or not load.job.done():
+                return
+            gone = load.job.exception()
+            if gone is not None:
+                self.ledger.report(request_id, TransferStage.REGISTRATION, str(gone))
                 return
             if not load.job.result():
                 self.ledger.report(
@@ -463,7 +490,7 @@ class P2PConnectorWorker:
         elif load.state == "verifying":
             if load.job is None or not load.job.done():
                 return
-            if not load.job.result():
+            if load.job.exception() is not None or not load.job.result():
                 self.ledger.report(
                     request_id,
                     TransferStage.RECEIVE,
@@ -503,18 +530,25 @@ class P2PConnectorWorker:
         whether the producer held the transfer's lease at that moment.
 
         NOTE: a producer grants the lease in the step after the prompt finished, and its
-        response may reach us first; so before a pull an unknown key is asked again (every
-        50 ms, up to the transfer timeout) before it counts as gone. After the pull a key
-        must be known at once: the lease was renewed throughout, or the bytes are suspect.
+        response may reach us first; so before a pull a key it has never heard of is asked
+        again (every 20 ms, up to the transfer timeout). A key it released (lease expired)
+        fails at once. After the pull a key must be known: the lease held throughout, or the
+        bytes are suspect.
+
+        Raises:
+            LookupError: the producer released the transfer (the message says why).
         """
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             reply = self.client.request(peer.host, peer.port, kind(keys=[key]))
             if isinstance(reply, _Reply) and key in reply.known:
                 return True
+            if isinstance(reply, _Reply) and key in reply.gone:
+                raise LookupError(f"producer {peer.engine_id} no longer holds {key}: "
+                                  f"{reply.gone[key]}")  # fmt: skip
             if kind is Done or time.monotonic() >= deadline:
                 return False
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     def _copies(self, load: _Load) -> list[BlockCopy]:
         spec = load.spec
@@ -634,7 +668,7 @@ class P2PConnectorWorker:
     def _fail_push(self, key: str, message: str) -> None:
         with self._lock:
             target = self._push_targets.pop(key, None)
-            self._release(key)
+            self._release(key, "released")
         if target is not None:
             self.client.notify(target.peer.host, target.peer.port,
                                PushDone(key=key, ok=False, message=message))  # fmt: skip
@@ -664,5 +698,5 @@ class P2PConnectorWorker:
                 self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
             with self._lock:
                 self._push_targets.pop(key, None)
-                self._release(key)
+                self._release(key, "released")
             self.client.notify(target.peer.host, target.peer.port, PushDone(key=key, ok=True))
