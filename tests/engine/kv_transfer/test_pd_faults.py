@@ -41,7 +41,7 @@ def _engine(model: Path, role: str, **kv: Any) -> EngineCore:
             num_kv_blocks=64,
             kv_transfer_config=config,
             **overrides,
-        )  # fmt: skip
+        )
     )
 
 
