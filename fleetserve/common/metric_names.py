@@ -15,7 +15,17 @@ __all__ = [
     "ENGINE_METRICS",
     "GENERATION_TOKENS",
     "INTER_TOKEN_LATENCY",
+    "KV_ACTIVE_LEASES",
+    "KV_BLOCKS_RECOMPUTED",
     "KV_CACHE_USAGE",
+    "KV_HANDSHAKES",
+    "KV_LEASE_EXPIRATIONS",
+    "KV_TOKENS_LOADED",
+    "KV_TRANSFERS",
+    "KV_TRANSFER_BYTES",
+    "KV_TRANSFER_DESCRIPTORS",
+    "KV_TRANSFER_METRICS",
+    "KV_TRANSFER_SECONDS",
     "MODEL_NAME_LABEL",
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
@@ -53,6 +63,8 @@ class MetricSpec:
     kind: Literal["gauge", "counter", "histogram"]
     documentation: str
     buckets: tuple[float, ...] = ()
+    labels: tuple[str, ...] = ()
+    """Labels besides `model_name`."""
 
     @property
     def sample_name(self) -> str:
@@ -101,6 +113,62 @@ REQUEST_QUEUE_TIME = MetricSpec(
     "Time a request waited before it was first scheduled.",
     REQUEST_LATENCY_BUCKETS_S,
 )
+
+KV_TRANSFER_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+KV_TRANSFER_BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+KV_TRANSFER_DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0)
+
+KV_TRANSFER_SECONDS = MetricSpec(
+    "fleetserve:kv_transfer_seconds", "histogram",
+    "Time of one KV transfer (all layers of a request), from start to landed.",
+    KV_TRANSFER_SECONDS_BUCKETS,
+)  # fmt: skip
+KV_TRANSFER_BYTES = MetricSpec(
+    "fleetserve:kv_transfer_bytes", "histogram", "Bytes moved by one KV transfer.",
+    KV_TRANSFER_BYTES_BUCKETS,
+)  # fmt: skip
+KV_TRANSFER_DESCRIPTORS = MetricSpec(
+    "fleetserve:kv_transfer_descriptors", "histogram",
+    "Coalesced block runs in one KV transfer (what block-by-block copying would multiply).",
+    KV_TRANSFER_DESCRIPTOR_BUCKETS,
+)  # fmt: skip
+KV_TRANSFERS = MetricSpec(
+    "fleetserve:kv_transfers", "counter",
+    "KV transfers by outcome (ok, failed) and failure stage.", labels=("outcome", "stage"),
+)  # fmt: skip
+KV_ACTIVE_LEASES = MetricSpec(
+    "fleetserve:kv_active_leases", "gauge", "Prompts whose KV a producer holds for a consumer."
+)
+KV_LEASE_EXPIRATIONS = MetricSpec(
+    "fleetserve:kv_lease_expirations", "counter",
+    "Producer leases that expired with no consumer done (rising: the lease is too short).",
+)  # fmt: skip
+KV_HANDSHAKES = MetricSpec(
+    "fleetserve:kv_handshakes", "counter", "Handshakes with new producer engines."
+)
+KV_BLOCKS_RECOMPUTED = MetricSpec(
+    "fleetserve:kv_blocks_recomputed", "counter",
+    "KV blocks recomputed locally after a failed load (load_failure_policy recompute).",
+)  # fmt: skip
+KV_TOKENS_LOADED = MetricSpec(
+    "fleetserve:kv_tokens_loaded", "counter",
+    "Prompt tokens a decode engine took from producers instead of computing them.",
+)  # fmt: skip
+
+KV_TRANSFER_METRICS: tuple[MetricSpec, ...] = (
+    KV_TRANSFER_SECONDS,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_DESCRIPTORS,
+    KV_TRANSFERS,
+    KV_ACTIVE_LEASES,
+    KV_LEASE_EXPIRATIONS,
+    KV_HANDSHAKES,
+    KV_BLOCKS_RECOMPUTED,
+    KV_TOKENS_LOADED,
+)
+"""What an engine with a KV connector exports besides `ENGINE_METRICS`."""
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING,

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from fleetserve.common import metric_names as names
 from fleetserve.common.metric_names import MetricSpec
 from fleetserve.engine.core.outputs import SchedulerStats
+from fleetserve.engine.kv_transfer.stats import KVTransferStats
 
 
 @dataclass
@@ -28,24 +29,29 @@ class _Totals:
     num_preemptions: int = 0
 
 
-class EngineMetrics:
-    """The `vllm:*` metrics of one served model, registered in `registry`."""
+def register(registry: CollectorRegistry, spec: MetricSpec) -> Any:
+    """The metric `spec` declares, in `registry`, labelled `model_name` (+ `spec.labels`)."""
+    labels = [names.MODEL_NAME_LABEL, *spec.labels]
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.documentation, labels, registry=registry)
+    if spec.kind == "counter":
+        # NOTE: prometheus_client appends `_total` to counter names itself.
+        return Counter(spec.name, spec.documentation, labels, registry=registry)
+    return Histogram(spec.name, spec.documentation, labels, buckets=spec.buckets,
+                     registry=registry)  # fmt: skip
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+
+class EngineMetrics:
+    """The `vllm:*` metrics of one served model, registered in `registry` (and the
+    `fleetserve:kv_*` ones when the engine transfers KV, `kv_transfer=True`)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, *, kv_transfer: bool = False
+    ) -> None:
         self.model_name = model_name
 
         def make(spec: MetricSpec) -> Any:
-            labels = [names.MODEL_NAME_LABEL]
-            if spec.kind == "gauge":
-                metric: Any = Gauge(spec.name, spec.documentation, labels, registry=registry)
-            elif spec.kind == "counter":
-                # NOTE: prometheus_client appends `_total` to counter names itself.
-                metric = Counter(spec.name, spec.documentation, labels, registry=registry)
-            else:
-                metric = Histogram(
-                    spec.name, spec.documentation, labels, buckets=spec.buckets, registry=registry
-                )
-            return metric.labels(model_name)
+            return register(registry, spec).labels(model_name)
 
         self.num_requests_running: Gauge = make(names.NUM_REQUESTS_RUNNING)
         self.num_requests_waiting: Gauge = make(names.NUM_REQUESTS_WAITING)
@@ -60,6 +66,7 @@ class EngineMetrics:
         self.e2e_request_latency: Histogram = make(names.E2E_REQUEST_LATENCY)
         self.request_queue_time: Histogram = make(names.REQUEST_QUEUE_TIME)
         self._totals = _Totals()
+        self.kv_transfer = KVTransferMetrics(registry, model_name) if kv_transfer else None
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Update gauges and cumulative counters from the core's per-step stats."""
@@ -76,6 +83,45 @@ class EngineMetrics:
         totals.prefix_cache_queries = stats.prefix_cache_queries
         totals.prefix_cache_hits = stats.prefix_cache_hits
         totals.num_preemptions = stats.num_preemptions
+        if self.kv_transfer is not None and stats.kv_transfer is not None:
+            self.kv_transfer.record(stats.kv_transfer)
+
+
+class KVTransferMetrics:
+    """The `fleetserve:kv_*` metrics, from the connector's cumulative counters and its
+    per-transfer observations (each observed exactly once: the core hands them over once)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        self.seconds = register(registry, names.KV_TRANSFER_SECONDS).labels(model_name)
+        self.bytes = register(registry, names.KV_TRANSFER_BYTES).labels(model_name)
+        self.descriptors = register(registry, names.KV_TRANSFER_DESCRIPTORS).labels(model_name)
+        self.transfers = register(registry, names.KV_TRANSFERS)
+        self.active_leases = register(registry, names.KV_ACTIVE_LEASES).labels(model_name)
+        self.lease_expirations = register(registry, names.KV_LEASE_EXPIRATIONS).labels(model_name)
+        self.handshakes = register(registry, names.KV_HANDSHAKES).labels(model_name)
+        self.blocks_recomputed = register(registry, names.KV_BLOCKS_RECOMPUTED).labels(model_name)
+        self.tokens_loaded = register(registry, names.KV_TOKENS_LOADED).labels(model_name)
+        self._seen: dict[str, int] = {}
+
+    def _inc(self, counter: Any, key: str, total: int) -> None:
+        counter.inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = max(total, self._seen.get(key, 0))
+
+    def record(self, stats: KVTransferStats) -> None:
+        for observation in stats.observations:
+            self.seconds.observe(observation.seconds)
+            self.bytes.observe(observation.bytes)
+            self.descriptors.observe(observation.descriptors)
+        ok = self.transfers.labels(self.model_name, "ok", "")
+        self._inc(ok, "ok", stats.transfers_ok)
+        for stage, count in stats.failures_by_stage.items():
+            self._inc(self.transfers.labels(self.model_name, "failed", stage), stage, count)
+        self.active_leases.set(stats.active_leases)
+        self._inc(self.lease_expirations, "expirations", stats.lease_expirations)
+        self._inc(self.handshakes, "handshakes", stats.handshakes)
+        self._inc(self.blocks_recomputed, "recomputed", stats.blocks_recomputed)
+        self._inc(self.tokens_loaded, "tokens_loaded", stats.tokens_loaded)
 
 
 @dataclass

@@ -19,3 +19,27 @@ def test_engine_exports_exactly_the_declared_metrics() -> None:
     for spec in ENGINE_METRICS:
         sample = spec.sample_name + ("_count" if spec.kind == "histogram" else "")
         assert f'{sample}{{model_name="m"}}' in text, spec
+
+
+def test_an_engine_with_a_connector_also_exports_the_kv_transfer_metrics() -> None:
+    from fleetserve.common.metric_names import KV_TRANSFER_METRICS
+    from fleetserve.engine.core.outputs import SchedulerStats
+    from fleetserve.engine.kv_transfer.stats import KVTransferStats
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "m", kv_transfer=True)
+    stats = KVTransferStats(handshakes=2, lease_expirations=1, tokens_loaded=48)
+    stats.observe(0.02, 1 << 20, 3)
+    stats.count_failure("receive")
+    for _ in range(2):  # cumulative counters: sending the same totals again adds nothing
+        metrics.record_scheduler_stats(SchedulerStats(kv_transfer=stats.take()))
+    text = generate_latest(registry).decode()
+    for spec in KV_TRANSFER_METRICS:
+        assert spec.name in text, spec.name
+    assert 'fleetserve:kv_handshakes_total{model_name="m"} 2.0' in text
+    assert 'fleetserve:kv_tokens_loaded_total{model_name="m"} 48.0' in text
+    assert (
+        'fleetserve:kv_transfers_total{model_name="m",outcome="failed",stage="receive"} 1.0' in text
+    )
+    assert 'fleetserve:kv_transfers_total{model_name="m",outcome="ok",stage=""} 1.0' in text
+    assert 'fleetserve:kv_transfer_seconds_count{model_name="m"} 1.0' in text

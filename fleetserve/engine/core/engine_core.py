@@ -175,7 +175,14 @@ class EngineCore:
         return self.scheduler.has_pending_work()
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """The scheduler's stats, with the KV connector's (its transfer observations since the
+        last call move into them: call this once per step)."""
+        stats = self.scheduler.make_stats()
+        if self.config.kv_transfer is not None:
+            (kv,) = self.executor.collective_rpc("kv_connector_stats")
+            kv.blocks_recomputed = self.scheduler.remote_kv.num_recomputed_blocks
+            stats.kv_transfer = kv
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
+from fleetserve.engine.kv_transfer.stats import KVTransferStats
 from fleetserve.engine.sampling_params import SamplingParams
 
 
@@ -157,6 +158,8 @@ class SchedulerStats:
     """Cumulative tokens found in the prefix cache."""
     num_preemptions: int = 0
     """Cumulative preemptions."""
+    kv_transfer: KVTransferStats | None = None
+    """The KV connector's counters and this step's transfer observations (P/D engines)."""
 
 
 def concat_logprobs_rows(first: LogprobsLists | None, more: LogprobsLists) -> LogprobsLists:
