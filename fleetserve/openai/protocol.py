@@ -5,6 +5,11 @@ Requests also accept vLLM's extra sampling fields (`top_k`, `min_p`, `repetition
 unknown fields are ignored, as vLLM does. The models only describe the bodies: the engine's
 server turns a request into its `SamplingParams` (`fleetserve/server/sampling.py`), so this
 module loads without the engine and the router can validate and forward the same bodies.
+
+Limits are OpenAI's (and vLLM's): `n` in [1, 128], completions `logprobs` and chat
+`top_logprobs` in [0, 20]; they are in the published schema (`openapi.py`) too. Fields of
+features not built yet (`tools`, `response_format`, ...) are declared so that a request using
+them is refused by name (`unsupported_feature`) instead of silently ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +18,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128
+"""Most sequences one request may ask for (OpenAI's limit)."""
+MAX_LOGPROBS = 20
+"""Most top logprobs per token (OpenAI's and vLLM's limit)."""
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+"""Prompts one completions request may batch unless the server says otherwise."""
 
 
 def random_id(prefix: str) -> str:
@@ -79,7 +91,7 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -101,6 +113,22 @@ class SamplingRequest(OpenAIModel):
     return_token_ids: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="Only {'type': 'text'} until structured output lands."
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n}")
+        return n
+
+    def unsupported_feature(self) -> tuple[str, str] | None:
+        """(field, feature) when the body asks for a feature this server does not have yet."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "structured output"
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -116,9 +144,14 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, logprobs: int | None) -> int | None:
+        return _check_logprobs("logprobs", logprobs)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts of this request: one string or id list, or a batch of either.
@@ -148,8 +181,34 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(
+        None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = Field(None, description="Refused until tool calling.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
+    functions: list[dict[str, Any]] | None = Field(None, description="Refused (deprecated).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top_logprobs: int | None) -> int | None:
+        return _check_logprobs("top_logprobs", top_logprobs)
+
+    def unsupported_feature(self) -> tuple[str, str] | None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, "tool calling"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                return name, "tool calling"
+        return super().unsupported_feature()
+
+
+def _check_logprobs(name: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 class TokenizeRequest(OpenAIModel):
