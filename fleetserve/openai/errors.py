@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -105,6 +106,14 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         raise RequestError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    try:
+        # NOTE: JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no Unicode text:
+        # refused here, it cannot fail later in a tokenizer or on the way to the engine core.
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            400, "the request body holds invalid Unicode (an unpaired UTF-16 surrogate escape)"
+        ) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

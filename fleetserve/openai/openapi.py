@@ -70,8 +70,33 @@ def _operation(
     return operation
 
 
-def openapi_schema(title: str = "fleetserve") -> dict[str, Any]:
-    """The OpenAPI 3.1 document (a JSON-serialisable dict); `title` names the served model."""
+def _bound_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
+    token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    ids = {"type": "array", "items": token_id, "minItems": 1}
+    completion = schemas["CompletionRequest"]["properties"]
+    completion["prompt"]["anyOf"] = [
+        {"type": "string", "minLength": 1},
+        ids,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": ids, "minItems": 1},
+    ]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        stop_ids = schemas[name]["properties"]["stop_token_ids"]
+        stop_ids["anyOf"] = [{"type": "array", "items": token_id}, {"type": "null"}]
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token_id
+
+
+def openapi_schema(
+    model_name: str = "fleetserve",
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a JSON-serialisable dict) of a server of `model_name`.
+
+    The request schemas say what this server takes: `model` is its name (or absent); with
+    `max_model_len`, a completion's token limits are at most that; with `vocab_size`, token
+    ids (prompts, stop_token_ids, /detokenize) are in [0, vocab_size).
+    """
     models: list[type[BaseModel]] = [
         CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
     ]  # fmt: skip
@@ -83,10 +108,24 @@ def openapi_schema(title: str = "fleetserve") -> dict[str, Any]:
         [(m, "validation") for m in models] + [(m, "serialization") for m in outputs],
         ref_template=_REF,
     )
+    schemas = defs["$defs"]
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+    ):
+        properties = schemas[name]["properties"]
+        properties["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}], "default": None}
+        for field in ("max_tokens", "max_completion_tokens"):
+            if max_model_len is not None and field in properties:
+                properties[field]["maximum"] = max_model_len
+    if vocab_size is not None:
+        _bound_token_ids(schemas, vocab_size)
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": f"fleetserve: {title}", "version": "1"},
+        "info": {"title": f"fleetserve: {model_name}", "version": "1"},
         "paths": {
             "/v1/completions": {
                 "post": _operation(
@@ -122,7 +161,7 @@ def openapi_schema(title: str = "fleetserve") -> dict[str, Any]:
             },
         },
         "components": {
-            "schemas": defs["$defs"],
+            "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -7,7 +7,9 @@ server turns a request into its `SamplingParams` (`fleetserve/server/sampling.py
 module loads without the engine and the router can validate and forward the same bodies.
 
 Limits are OpenAI's (and vLLM's): `n` in [1, 128], completions `logprobs` and chat
-`top_logprobs` in [0, 20]; they are in the published schema (`openapi.py`) too. Fields of
+`top_logprobs` in [0, 20]; they are in the published schema (`openapi.py`) too. The sampling
+fields' ranges are the engine's (`SamplingParams` validates them; the schema only documents
+them, and the suite's fuzzer checks that the two agree). Fields of
 features not built yet (`tools`, `response_format`, ...) are declared so that a request using
 them is refused by name (`unsupported_feature`) instead of silently ignored.
 """
@@ -92,21 +94,21 @@ class SamplingRequest(OpenAIModel):
 
     model: str | None = None
     n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, json_schema_extra={"minimum": -(2**63), "maximum": 2**64 - 1})
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, json_schema_extra={"minimum": -1, "maximum": 2**63 - 1})
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: int = Field(0, json_schema_extra={"minimum": 0, "maximum": 2**63 - 1})
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -143,7 +145,7 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, json_schema_extra={"minimum": 1})
     logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
     suffix: str | None = None
@@ -176,10 +178,29 @@ class CompletionRequest(SamplingRequest):
         return batch
 
 
+class ChatContentPart(OpenAIModel):
+    """A part of a message's content; only `text` parts are served (no multimodal input)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(OpenAIModel):
+    """One message of a conversation: its role and text (other message fields are ignored)."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ChatContentPart] | None = None
+
+
+def messages_as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The plain `{role, content}` dicts the chat template takes."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = Field(
         None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
@@ -214,7 +235,7 @@ def _check_logprobs(name: str, value: int | None) -> int | None:
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -46,6 +46,7 @@ from fleetserve.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    messages_as_dicts,
 )
 from fleetserve.server.serving import OpenAIServing
 from fleetserve.server.serving_chat import create_chat_completion
@@ -209,7 +210,9 @@ async def _tokenize(request: web.Request) -> web.Response:
     if body.messages is not None:
         try:
             ids = apply_chat_template(
-                tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+                tokenizer,
+                messages_as_dicts(body.messages),
+                add_generation_prompt=body.add_generation_prompt,
             )
         except ValueError as exc:
             raise RequestError(400, str(exc), param="messages") from exc
@@ -232,7 +235,10 @@ async def _detokenize(request: web.Request) -> web.Response:
 
 
 async def _openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_schema(request.app[CONFIG_KEY].served_model_name))
+    config = request.app[CONFIG_KEY]
+    model = config.engine.model
+    schema = openapi_schema(config.served_model_name, model.max_model_len, model.vocab_size)
+    return web.json_response(schema)
 
 
 def _json(text: str) -> web.Response:

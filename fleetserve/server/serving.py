@@ -47,6 +47,7 @@ from fleetserve.engine.request_output import (
     RequestOutput,
 )
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.validation import validate_prompt
 from fleetserve.openai.errors import RequestError, error_body, value_error
 from fleetserve.openai.protocol import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -232,9 +233,16 @@ class OpenAIServing:
         """Check every prompt's length against the context and name the engine requests.
 
         Raises:
-            RequestError: 400 when a prompt plus `max_tokens` exceeds `max_model_len`.
+            RequestError: 400 when a prompt is invalid for the model (`validate_prompt`) or a
+                prompt plus `max_tokens` exceeds `max_model_len`.
         """
         for ids, _ in prompts:
+            # NOTE: what can be checked here is, before admission, so bad input is a 400 and
+            # never a 429 (the engine client checks again, with the KV cache's capacity).
+            try:
+                validate_prompt(ids, params, self.engine.config)
+            except ValueError as exc:
+                raise value_error(exc, "prompt") from exc
             if params.max_tokens is None or len(ids) + params.max_tokens <= self.max_model_len:
                 continue
             raise RequestError(

@@ -25,6 +25,7 @@ from fleetserve.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     UsageInfo,
+    messages_as_dicts,
 )
 from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
@@ -45,7 +46,9 @@ async def create_chat_completion(
     tokenizer = serving.require_tokenizer("chat messages", "messages")
     try:
         prompt_ids = apply_chat_template(
-            tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+            tokenizer,
+            messages_as_dicts(body.messages),
+            add_generation_prompt=body.add_generation_prompt,
         )
     except ValueError as exc:
         raise RequestError(400, str(exc), param="messages") from exc

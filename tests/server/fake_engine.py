@@ -27,7 +27,7 @@ from fleetserve.engine.request_output import (
     RequestOutput,
 )
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.validation import validate_prompt
+from fleetserve.engine.validation import KVCapacity, validate_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -121,6 +121,8 @@ class FakeEngineClient:
     healthy: bool = True
     waiting: int = 0
     """Sequences that pretend to wait (admission counts them)."""
+    kv_capacity: KVCapacity | None = None
+    """Validated in `generate` as the real client does (None: unknown, not checked)."""
     step_delay_s: float = 0.0
     """Pause before each output (0: just yield to the event loop)."""
     calls: list[GenerateCall] = field(default_factory=list)
@@ -166,7 +168,7 @@ class FakeEngineClient:
             self.check_admission(params.n)
         elif not self.healthy:
             raise EngineDeadError("the engine core process is not running")
-        validate_prompt(prompt_token_ids, params, self.config)
+        validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         call = GenerateCall(
             request_id, prompt_token_ids, params, prompt, priority, cache_salt, admit
         )
