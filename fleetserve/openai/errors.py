@@ -122,7 +122,11 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         # NOTE: `param` is the top-level field; the message keeps the full path (union members,
         # list indices) so the client sees exactly what failed.
         param = loc[0] if loc else None
-        raise RequestError(400, f"{'.'.join(loc)}: {first['msg']}", param=param) from exc
+        message = f"{'.'.join(loc)}: {first['msg']}"
+        given = first.get("input")
+        if isinstance(given, str | int | float | bool):
+            message += f", got {repr(given)[:100]}"
+        raise RequestError(400, message, param=param) from exc
 
 
 def value_error(exc: ValueError, default_param: str | None = None) -> RequestError:
