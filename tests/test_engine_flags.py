@@ -23,6 +23,8 @@ SERVER_ONLY = {
     "served_model_name",
     "api_key",
     "max_waiting_requests",
+    "max_prompts_per_request",
+    "max_pending_outputs",
     "stats_log_interval",
 }
 

@@ -53,6 +53,8 @@ class EngineArgs:
     seed: int = _arg(0, "seed of requests without their own")
     load_format: str = _arg("safetensors", "safetensors, or dummy (seeded random weights)",
                             choices=("safetensors", "dummy"))  # fmt: skip
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: token-id prompts and outputs "
+                                     "only, text fields refused")  # fmt: skip
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
     block_size: int = _arg(16, "tokens per KV block (a power of two up to 128)")
     num_kv_blocks: int | None = _arg(None, "KV blocks incl. the null block (default: memory)")

@@ -6,16 +6,23 @@ them (`OutputProcessor`, DELTA mode), feeds the metrics and routes each `Request
 queue of the request's `generate()` generator. From the core's package it uses only the wire
 messages (`core/messages.py`) and the process entry point it spawns.
 
-Its own state is keyed by the client's request id (the parent of an `n > 1` request); the
+Its own state is keyed by the caller's request id (the parent of an `n > 1` request), which
+must be unique among live requests (the server makes its own; a client's id is never one); the
 children, their ids and which of them still wait are the `OutputProcessor`'s to know.
 
 Guarantees:
 - Leaving `generate()` before the request finished (client disconnect, handler cancelled) aborts
   it in the engine, which frees its KV blocks.
-- When the core process dies, `is_healthy` turns False and every in-flight and later request
-  fails with `EngineDeadError` instead of hanging.
-- Admission: a request is refused with `EngineOverloadedError` while `max_waiting_requests`
-  sequences already wait to be scheduled, so the engine never queues without bound.
+- When the core process dies, or this process's output task fails, `is_healthy` turns False
+  and every in-flight and later request fails with `EngineDeadError` instead of hanging.
+- A failure that concerns one request (the core failed or refused it, its output could not be
+  processed, its reader fell `max_pending_outputs` behind) ends that request only, with
+  `EngineRequestError`, `RequestRejectedError` or `SlowReaderError`.
+- Admission: sequences are admitted all or nothing while the waiting ones (the core's own count,
+  preempted requests included, plus the adds on their way to it) stay within
+  `max_waiting_requests`; beyond it `EngineOverloadedError`.
+- Nothing here blocks the event loop: sends never wait (see `engine_core_proc` on why the input
+  direction is unbounded) and a core that is gone is noticed, not waited for.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
 
+from fleetserve.common.metric_names import MODEL_NAME_LABEL
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.core.engine_core_proc import run_engine_core
+from fleetserve.engine.core.engine_core_proc import OUTPUT_HWM, run_engine_core
 from fleetserve.engine.core.messages import (
     AbortMessage,
     AddRequestMessage,
@@ -47,27 +56,36 @@ from fleetserve.engine.core.messages import (
     ShutdownMessage,
     StopMessage,
 )
-from fleetserve.engine.engine_client import EngineDeadError, EngineOverloadedError
+from fleetserve.engine.engine_client import (
+    DEFAULT_MAX_PENDING_OUTPUTS,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequestError,
+    RequestRejectedError,
+    SlowReaderError,
+    check_waiting_bound,
+)
 from fleetserve.engine.metrics import EngineMetrics, StatsLogger
 from fleetserve.engine.output_processor import OutputKind, OutputProcessor
 from fleetserve.engine.request_output import RequestOutput
-from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fleetserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from fleetserve.engine.validation import validate_prompt
+from fleetserve.engine.validation import KVCapacity, validate_prompt, validate_without_tokenizer
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
-
-    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
 
 logger = logging.getLogger(__name__)
 
+SLOW_READER_ABORTS = "fleetserve:slow_reader_aborts"
+"""Counter (exported as `..._total`): requests aborted because their reader fell behind."""
+
 
 @dataclass
 class _RequestState:
-    """API-side bookkeeping of one live request (by the client's id): its output queue and
+    """API-side bookkeeping of one live request (by the caller's id): its output queue and
     the timeline its latency metrics come from."""
 
     num_prompt_tokens: int
@@ -78,7 +96,14 @@ class _RequestState:
 
 
 class AsyncLLM:
-    """Asyncio client of one EngineCore process; create, `await start()`, `await shutdown()`."""
+    """Asyncio client of one EngineCore process; create, `await start()`, `await shutdown()`.
+
+    Args:
+        registry: where its own `fleetserve:*` metrics go (the engine's are in `metrics`).
+        max_pending_outputs: a request whose reader leaves this many outputs unread is
+            aborted with `SlowReaderError` (bounds the memory a stalled client can hold).
+        skip_tokenizer_init: load no tokenizer; token-id prompts and outputs only.
+    """
 
     def __init__(
         self,
@@ -86,27 +111,44 @@ class AsyncLLM:
         *,
         metrics: EngineMetrics,
         max_waiting_requests: int,
-        tokenizer: PreTrainedTokenizerBase | None = None,
+        registry: CollectorRegistry | None = None,
+        max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS,
+        skip_tokenizer_init: bool = False,
     ) -> None:
+        if max_pending_outputs < 1:
+            raise ValueError(f"max_pending_outputs must be >= 1, got {max_pending_outputs}")
         self.config = config
         self.metrics = metrics
         self.stats_logger = StatsLogger()
         self.max_waiting_requests = max_waiting_requests
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
+        self.max_pending_outputs = max_pending_outputs
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.model)
         self.eos_token_ids = eos_token_ids(
             config.model.model, config.model.hf_config, self.tokenizer
         )
+        self.kv_capacity: KVCapacity | None = None
+        """Reported by the core when it is ready."""
+        self._slow_reader_aborts = Counter(
+            SLOW_READER_ABORTS,
+            "Requests aborted because their client read the outputs too slowly.",
+            [MODEL_NAME_LABEL],
+            registry=registry if registry is not None else CollectorRegistry(),
+        ).labels(metrics.model_name)
         self._processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _RequestState] = {}
-        self._dead = False
+        self._num_adds_sent = 0
+        self._num_adds_processed = 0
+        self._core_waiting = 0
+        self._dead_reason: str | None = None
         self._proc: BaseProcess | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="fleetserve-zmq-")
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never drop or block an abort
+        self._input.setsockopt(zmq.SNDHWM, 0)  # bounded by admission (engine_core_proc)
+        self._input.setsockopt(zmq.LINGER, 0)
         self._output = self._async_ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._output_task: asyncio.Task[None] | None = None
@@ -143,14 +185,21 @@ class AsyncLLM:
                 break
             if not self._proc.is_alive():
                 raise RuntimeError(f"engine core exited with code {self._proc.exitcode} at start")
+        self.kv_capacity = KVCapacity(message.num_kv_blocks, message.block_size)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-core-outputs")
-        logger.info("engine core process %d ready", message.pid)
+        self._output_task.add_done_callback(self._on_output_task_done)
+        logger.info(
+            "engine core process %d ready (KV cache: %d tokens)",
+            message.pid,
+            self.kv_capacity.num_tokens,
+        )
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core process (politely, then by force) and release the sockets."""
         proc = self._proc
+        self._dead_reason = self._dead_reason or "the server is shutting down"
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
             if proc.is_alive():
@@ -160,7 +209,6 @@ class AsyncLLM:
                 proc.kill()
                 await asyncio.to_thread(proc.join, timeout_s)
         self._fail_all(EngineDeadError("the server is shutting down"))
-        self._dead = True
         if self._output_task is not None:
             self._output_task.cancel()
         self._input.close(linger=0)
@@ -171,11 +219,20 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return not self._dead and self._proc is not None and self._proc.is_alive()
+        task = self._output_task
+        return (
+            self._dead_reason is None
+            and self._proc is not None
+            and self._proc.is_alive()
+            and task is not None
+            and not task.done()
+        )
 
     @property
     def num_waiting(self) -> int:
-        return self._processor.num_unscheduled
+        # NOTE: the core's count is a snapshot taken after it had processed
+        # `_num_adds_processed` adds; the rest of what was sent is still on its way.
+        return self._core_waiting + self._num_adds_sent - self._num_adds_processed
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -192,22 +249,25 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the returned iterator yields its DELTA outputs until `finished`.
 
-        Validation and admission happen before this returns, so a caller can still answer
-        with an HTTP error. Admission is decided once per client request: the later prompts of
-        a batch pass `admit=False`, so a batch is admitted or refused as a whole. Leaving the
-        iteration early aborts the request; callers that might never start iterating should
-        call `abort(request_id)` in a `finally` (a no-op once done).
-
-        Raises:
-            ValueError: the prompt or params are invalid for this engine.
-            EngineOverloadedError: too many sequences wait already (nothing was added).
-            EngineDeadError: the core process is gone (also raised by the iterator mid-way).
+        See `EngineClient.generate` for the contract. Besides `validate_prompt` (with the
+        core's KV capacity), whole-vocabulary logprobs (-1) are refused here: they would
+        decode the vocabulary on the event loop for every token.
         """
         if admit:
-            self.check_admission()
+            self.check_admission(params.n)
         elif not self.is_healthy:
-            raise EngineDeadError("the engine core process is not running")
-        validate_prompt(prompt_token_ids, params, self.config)
+            raise self._dead_error()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:
+                raise ValueError(
+                    f"{name} must be in [0, {MAX_LOGPROBS}] when served; -1 (the whole "
+                    "vocabulary) is for the offline LLM only"
+                )
+        validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
+        if self.tokenizer is None:
+            validate_without_tokenizer(params)
         state = self._add(request_id, prompt_token_ids, params, prompt, priority, cache_salt)
         return self._stream(request_id, state)
 
@@ -225,22 +285,17 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def check_admission(self) -> None:
-        """Raise when the engine cannot take another request now (dead or overloaded)."""
+    def check_admission(self, num_sequences: int = 1) -> None:
+        """Raise unless `num_sequences` more sequences may wait now (see `EngineClient`)."""
         if not self.is_healthy:
-            raise EngineDeadError("the engine core process is not running")
-        if self.num_waiting >= self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting} requests are waiting "
-                f"(max_waiting_requests={self.max_waiting_requests}); retry later",
-                retry_after_s=1,
-            )
+            raise self._dead_error()
+        check_waiting_bound(self.num_waiting, num_sequences, self.max_waiting_requests)
 
     def abort(self, request_id: str) -> None:
         """Forget a request and abort its sequences in the core (no-op when unknown)."""
         self._requests.pop(request_id, None)
         child_ids = self._processor.abort_request(request_id)
-        if child_ids and not self._dead:
+        if child_ids:
             self._send(AbortMessage(request_ids=child_ids))
 
     def _add(
@@ -259,6 +314,7 @@ class AsyncLLM:
         state = _RequestState(len(prompt_token_ids), arrival_time)
         self._requests[request_id] = state
         for child_id, child_params in children.items():
+            self._num_adds_sent += 1
             self._send(
                 AddRequestMessage(
                     request_id=child_id,
@@ -273,26 +329,44 @@ class AsyncLLM:
         return state
 
     def _send(self, message: InputMessage) -> None:
-        self._input.send(self._encoder.encode(message))
+        if self._proc is None or not self._proc.is_alive():
+            return  # nobody to tell (and a PUSH without a peer would block)
+        try:
+            self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            # NOTE: the input is unbounded, so this means no peer: the core is gone. Its exit
+            # callback fails the requests; the event loop must not wait for it here.
+            logger.error("the engine core is not connected; dropped %s", type(message).__name__)
 
     # -- outputs ------------------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
-        while True:
-            message = self._decoder.decode(await self._output.recv())
-            if isinstance(message, CoreOutputs):
-                self._handle_outputs(message)
-            else:
-                logger.warning("ignoring unexpected engine core message %r", message)
+        try:
+            while True:
+                message = self._decoder.decode(await self._output.recv())
+                if isinstance(message, CoreOutputs):
+                    self._handle_outputs(message)
+                else:
+                    logger.warning("ignoring unexpected engine core message %r", message)
+                # NOTE: a recv that is ready returns without yielding; let the readers drain
+                # their queues between messages, or a burst would count them as slow.
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("the engine's output task failed; failing every request")
+            self._die(f"the engine's output processing failed ({type(exc).__name__}: {exc})")
 
     def _handle_outputs(self, message: CoreOutputs) -> None:
         now = time.monotonic()
+        self._core_waiting = message.stats.num_waiting_reqs
+        self._num_adds_processed = message.num_adds_processed
         self.metrics.record_scheduler_stats(message.stats)
         self.stats_logger.last_stats = message.stats
         for child_id, error in message.rejected.items():
             parent_id = self._processor.parent_id_of(child_id)
             if parent_id is not None:
-                self._fail(parent_id, ValueError(error))
+                self._fail(parent_id, RequestRejectedError(error))
         for child_id, scheduled_time in message.scheduled_times.items():
             parent_id = self._processor.record_scheduled(child_id)
             state = self._requests.get(parent_id) if parent_id is not None else None
@@ -305,11 +379,26 @@ class AsyncLLM:
         processed = self._processor.process_outputs(message.outputs)
         if processed.reqs_to_finish:
             self._send(StopMessage(request_ids=processed.reqs_to_finish))
+        if processed.reqs_to_abort:
+            self._send(AbortMessage(request_ids=processed.reqs_to_abort))
+        for parent_id, error in processed.failed.items():
+            self._fail(parent_id, EngineRequestError(f"the engine failed the request: {error}"))
         for output in processed.request_outputs:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
             self._record_output(state, output, now)
+            if state.queue.qsize() >= self.max_pending_outputs and not output.finished:
+                self._slow_reader_aborts.inc()
+                logger.warning("aborting %s: its reader is too slow", output.request_id)
+                self._fail(
+                    output.request_id,
+                    SlowReaderError(
+                        f"the client read too slowly: {self.max_pending_outputs} outputs were "
+                        "waiting to be sent, so the request was aborted"
+                    ),
+                )
+                continue
             state.queue.put_nowait(output)
             if output.finished:
                 del self._requests[output.request_id]
@@ -332,11 +421,11 @@ class AsyncLLM:
             metrics.e2e_request_latency.observe(now - state.arrival_time)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one request with `error`: forget it, abort it in the core, wake its reader."""
         state = self._requests.get(request_id)
-        if state is None:
-            return
         self.abort(request_id)
-        state.queue.put_nowait(error)
+        if state is not None:
+            state.queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
         requests, self._requests = self._requests, {}
@@ -344,14 +433,34 @@ class AsyncLLM:
             self._processor.abort_request(request_id)
             state.queue.put_nowait(error)
 
+    def _dead_error(self) -> EngineDeadError:
+        reason = self._dead_reason or "the engine core process is not running"
+        return EngineDeadError(reason)
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot serve any more: fail everything and stop the core."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
+        self._send(ShutdownMessage())  # it would compute for nobody
+
+    def _on_output_task_done(self, task: asyncio.Task[None]) -> None:
+        if self._dead_reason is None:
+            self._die("the engine's output task ended")
+
     def _on_core_exit(self) -> None:
         assert self._proc is not None, "core exit callback without a process"
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        # NOTE: the sentinel fires as the process closes its fds, a moment before it can be
-        # reaped; a short join gets the exit code for the log.
-        self._proc.join(1.0)
-        logger.error("engine core process exited (code %s)", self._proc.exitcode)
-        self._dead = True
-        self._fail_all(EngineDeadError("the engine core process died"))
+        self._die("the engine core process died")
         if self._output_task is not None:
             self._output_task.cancel()
+        # NOTE: the sentinel fires as the process closes its fds, a moment before it can be
+        # reaped; the exit code is logged from a thread so the event loop never waits for it.
+        proc = self._proc
+        asyncio.get_running_loop().run_in_executor(None, self._log_exit, proc)
+
+    @staticmethod
+    def _log_exit(proc: BaseProcess) -> None:
+        proc.join(5.0)
+        logger.error("engine core process exited (code %s)", proc.exitcode)

@@ -18,11 +18,24 @@ from fleetserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineOverloadedError"]
+__all__ = [
+    "DEFAULT_MAX_PENDING_OUTPUTS",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineRequestError",
+    "RequestRejectedError",
+    "SlowReaderError",
+    "check_waiting_bound",
+]
+
+
+DEFAULT_MAX_PENDING_OUTPUTS = 512
+"""Outputs one request may leave unread before it is aborted as a slow reader."""
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is not running; the request cannot complete."""
+    """The engine cannot serve any request (its core process or its output task is gone)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -31,6 +44,39 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed this one request (the others go on); the message says why."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine core refused a request that passed the front end's checks (bad input the
+    front end could not see, e.g. more KV blocks than the cache holds)."""
+
+
+class SlowReaderError(RuntimeError):
+    """The request's reader fell too far behind its outputs; the request was aborted."""
+
+
+def check_waiting_bound(num_waiting: int, num_sequences: int, max_waiting: int) -> None:
+    """Admission of `num_sequences` new sequences, all or nothing, while `num_waiting` wait.
+
+    Raises:
+        ValueError: more sequences than may ever wait (retrying cannot help).
+        EngineOverloadedError: they do not fit now.
+    """
+    if num_sequences > max_waiting:
+        raise ValueError(
+            f"this request asks for {num_sequences} sequences (prompts × n), but the server lets "
+            f"at most {max_waiting} wait (max_waiting_requests); send fewer prompts or a smaller n"
+        )
+    if num_waiting + num_sequences > max_waiting:
+        raise EngineOverloadedError(
+            f"the server is overloaded: {num_waiting} sequences are waiting and this request "
+            f"adds {num_sequences} (max_waiting_requests={max_waiting}); retry later",
+            retry_after_s=1,
+        )
 
 
 class EngineClient(Protocol):
@@ -42,8 +88,9 @@ class EngineClient(Protocol):
         ...
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The model's tokenizer (the server encodes prompts and renders chat with it)."""
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (the server encodes prompts and renders chat with it); None
+        under `skip_tokenizer_init`, where prompts and outputs are token ids only."""
         ...
 
     @property
@@ -58,7 +105,8 @@ class EngineClient(Protocol):
 
     @property
     def num_waiting(self) -> int:
-        """Sequences added and not yet scheduled (what admission control counts)."""
+        """Sequences waiting to be scheduled, preempted ones included, plus those sent to the
+        core and not yet seen by it (what admission control counts)."""
         ...
 
     async def start(self, timeout_s: float) -> None:
@@ -69,8 +117,14 @@ class EngineClient(Protocol):
         """Stop the engine; requests still in flight fail with `EngineDeadError`."""
         ...
 
-    def check_admission(self) -> None:
-        """Raise `EngineDeadError` or `EngineOverloadedError` when no request can be taken now."""
+    def check_admission(self, num_sequences: int = 1) -> None:
+        """Admit `num_sequences` new sequences (all of one HTTP request) or raise.
+
+        Raises:
+            EngineDeadError: the engine cannot serve.
+            EngineOverloadedError: they do not fit under the waiting bound now.
+            ValueError: they could never fit (more than the bound itself).
+        """
         ...
 
     def generate(
@@ -86,14 +140,21 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the iterator yields its DELTA outputs until one is `finished`.
 
-        Validation and admission (when `admit`) happen before this returns, so the caller can
-        still answer with an HTTP error. Leaving the iteration early aborts the request.
+        Validation and admission of its `params.n` sequences (when `admit`; a caller that
+        admitted a whole batch with `check_admission` passes False) happen before this returns,
+        so the caller can still answer with an HTTP error. `request_id` must be unique among the
+        live requests (a duplicate raises ValueError and leaves the live one alone). Leaving the
+        iteration early aborts the request.
 
         Raises:
             ValueError: the prompt or params are invalid for this engine (message names the
                 field).
             EngineOverloadedError: too many sequences wait already (nothing was added).
             EngineDeadError: the engine is gone (the iterator raises it too, mid-way).
+
+        The iterator may also raise `RequestRejectedError` (the core refused the request),
+        `EngineRequestError` (the engine failed it) or `SlowReaderError` (aborted because the
+        caller read too slowly); each ends that request only.
         """
         ...
 

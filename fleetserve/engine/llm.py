@@ -17,7 +17,7 @@ from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
-from fleetserve.engine.validation import validate_prompt
+from fleetserve.engine.validation import validate_prompt, validate_without_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.config = args.create_engine_config()
         model = self.config.model.model
-        self.tokenizer = load_tokenizer(model)
+        # NOTE: with skip_tokenizer_init prompts and outputs are token ids only (vLLM's option).
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model, self.config.model.hf_config, self.tokenizer)
         self.engine_core = EngineCore(self.config)
         self._processor = OutputProcessor(self.tokenizer)
@@ -66,7 +68,7 @@ class LLM:
         # Validate everything first so an invalid prompt never leaves others half-submitted.
         encoded = [self._encode(p) for p in prompt_list]
         for (ids, _, _), params in zip(encoded, params_list, strict=True):
-            validate_prompt(ids, params, self.config)
+            self._validate(ids, params)
         request_ids: list[str] = []
         try:
             for i, ((ids, text, salt), params) in enumerate(zip(encoded, params_list, strict=True)):
@@ -95,6 +97,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of conversations."""
+        tokenizer = self._require_tokenizer("chat messages")
         conversations = cast(
             "list[Sequence[Mapping[str, Any]]]",
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages),
@@ -102,7 +105,7 @@ class LLM:
         prompts: list[PromptType] = [
             {
                 "prompt_token_ids": apply_chat_template(
-                    self.tokenizer, conv, add_generation_prompt=add_generation_prompt
+                    tokenizer, conv, add_generation_prompt=add_generation_prompt
                 )
             }
             for conv in conversations
@@ -127,7 +130,7 @@ class LLM:
         Raises:
             ValueError: an invalid prompt or params, or a prompt the KV cache can never hold.
         """
-        validate_prompt(prompt_token_ids, params, self.config)
+        self._validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._counter))
         children = self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         try:
@@ -163,9 +166,22 @@ class LLM:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_prompt(prompt_token_ids, params, self.config)
+        if self.tokenizer is None:
+            validate_without_tokenizer(params)
+
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{what} need a tokenizer, and this LLM runs with skip_tokenizer_init: "
+                "give prompts as {'prompt_token_ids': [...]}"
+            )
+        return self.tokenizer
+
     def _encode(self, prompt: PromptType) -> tuple[list[int], str | None, str | None]:
         if isinstance(prompt, str):
-            return encode_prompt(self.tokenizer, prompt), prompt, None
+            return encode_prompt(self._require_tokenizer("text prompts"), prompt), prompt, None
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -173,7 +189,8 @@ class LLM:
             return list(ids), prompt.get("prompt"), prompt.get("cache_salt")
         if "prompt" in prompt:
             text = str(prompt["prompt"])
-            return encode_prompt(self.tokenizer, text), text, prompt.get("cache_salt")
+            tokenizer = self._require_tokenizer("text prompts")
+            return encode_prompt(tokenizer, text), text, prompt.get("cache_salt")
         raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'")
 
     def _run_until_done(self, request_ids: list[str]) -> list[RequestOutput]:

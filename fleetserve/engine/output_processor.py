@@ -7,11 +7,18 @@ tracks which children the core has scheduled yet (the waiting sequences admissio
 gathers their outputs into one `RequestOutput` per parent. Callers (`LLM`, `AsyncLLM`) key
 their own state by the parent id only. A stop string is found here, not in the engine core, so
 `process_outputs` returns the child ids the caller must finish in the engine (FINISHED_STOPPED).
+
+Failures stay with their request: a core output carrying `error` (the engine failed that
+sequence), or an exception while folding one output in, fails that output's parent, which is
+forgotten and reported in `ProcessedOutputs.failed` with the error text (its other children in
+`reqs_to_abort`); the other requests of the step are unaffected. Without a tokenizer
+(`skip_tokenizer_init`) outputs carry token ids only and empty text.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +39,8 @@ from fleetserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 class OutputKind(enum.Enum):
@@ -59,7 +68,8 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 @dataclass
 class _Sequence:
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
+    """None without a tokenizer (token ids only)."""
     want_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs = field(default_factory=list)
@@ -101,13 +111,17 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_finish: list[str]
     """Child ids that matched a stop string: finish them in the engine as FINISHED_STOPPED."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Parent id → why it failed; already forgotten here, answer it with an error."""
+    reqs_to_abort: list[str] = field(default_factory=list)
+    """Child ids of failed parents still live in the engine: abort them there."""
 
 
 class OutputProcessor:
     """Tracks live requests (parents and their children) and turns engine-core outputs into
     RequestOutputs; the one owner of the child ↔ parent map."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self._tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -143,7 +157,11 @@ class OutputProcessor:
         sequences = {
             child_id: _Sequence(
                 index=i,
-                detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_token_ids, child),
+                detokenizer=(
+                    None
+                    if self._tokenizer is None
+                    else IncrementalDetokenizer(self._tokenizer, prompt_token_ids, child)
+                ),
                 want_logprobs=child.logprobs is not None,
             )
             for i, (child_id, child) in enumerate(children.items())
@@ -210,6 +228,8 @@ class OutputProcessor:
         """
         touched: dict[str, _Parent] = {}
         to_finish: list[str] = []
+        failed: dict[str, str] = {}
+        to_abort: list[str] = []
         for out in outputs:
             parent_id = self._child_to_parent.get(out.req_id)
             if parent_id is None:
@@ -218,29 +238,56 @@ class OutputProcessor:
             seq = parent.sequences[out.req_id]
             if seq.finish_reason is not None:
                 continue
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if parent.want_prompt_logprobs and parent.prompt_logprobs is None and seq.index == 0:
-                parent.prompt_logprobs = prompt_logprobs_entries(
-                    out.prompt_logprobs, self._tokenizer
-                )
-            if self._apply(seq, out):
-                to_finish.append(out.req_id)
+            if out.error is not None:
+                # NOTE: the core finished this sequence already; only its siblings still run.
+                failed[parent_id] = out.error
+                touched.pop(parent_id, None)
+                to_abort += [c for c in self.abort_request(parent_id) if c != out.req_id]
+                continue
+            try:
+                if self._fold(parent, seq, out):
+                    to_finish.append(out.req_id)
+            except Exception as exc:
+                logger.exception("processing an output of request %s failed", parent_id)
+                failed[parent_id] = f"{type(exc).__name__}: {exc}"
+                touched.pop(parent_id, None)
+                to_abort += self.abort_request(parent_id)
+                continue
             touched[parent_id] = parent
         results = []
         for parent in touched.values():
             if parent.kind is OutputKind.FINAL and not parent.finished:
                 continue
-            results.append(self._make_output(parent))
+            try:
+                results.append(self._make_output(parent))
+            except Exception as exc:
+                logger.exception("building the output of request %s failed", parent.request_id)
+                failed[parent.request_id] = f"{type(exc).__name__}: {exc}"
+                to_abort += self.abort_request(parent.request_id)
+                continue
             if parent.finished:
                 self.abort_request(parent.request_id)
-        return ProcessedOutputs(results, to_finish)
+        aborted = set(to_abort)
+        to_finish = [c for c in to_finish if c not in aborted]
+        return ProcessedOutputs(results, to_finish, failed, to_abort)
+
+    def _fold(self, parent: _Parent, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Fold one core output into its parent; True when a stop string ended `seq`."""
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if parent.want_prompt_logprobs and parent.prompt_logprobs is None and seq.index == 0:
+            assert self._tokenizer is not None, "logprobs need a tokenizer (refused earlier)"
+            parent.prompt_logprobs = prompt_logprobs_entries(out.prompt_logprobs, self._tokenizer)
+        return self._apply(seq, out)
 
     def _apply(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Fold one engine output into the sequence; True when a stop string ended it."""
         seq.token_ids.extend(out.new_token_ids)
         if seq.want_logprobs and out.new_logprobs is not None:
             self._add_logprobs(seq, out.new_logprobs)
-        stop_str = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        if seq.detokenizer is None:
+            stop_str = None  # no stop strings without a tokenizer (refused earlier)
+        else:
+            stop_str = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
         if stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
             return out.finish_reason is None
@@ -249,6 +296,7 @@ class OutputProcessor:
         return False
 
     def _add_logprobs(self, seq: _Sequence, rows: LogprobsLists) -> None:
+        assert self._tokenizer is not None, "logprobs need a tokenizer (refused earlier)"
         seq.logprobs.extend(logprob_entries(rows, self._tokenizer))
         seq.cumulative_logprob += sampled_logprob_sum(rows)
 
@@ -257,7 +305,11 @@ class OutputProcessor:
         completions = []
         for seq in sorted(parent.sequences.values(), key=lambda s: s.index):
             finished = seq.finish_reason is not None
-            text = seq.detokenizer.get_next_output_text(finished, delta)
+            text = (
+                ""
+                if seq.detokenizer is None
+                else seq.detokenizer.get_next_output_text(finished, delta)
+            )
             token_ids = seq.token_ids[seq.sent_tokens :] if delta else list(seq.token_ids)
             logprobs = seq.logprobs[seq.sent_logprobs :] if delta else list(seq.logprobs)
             if delta:

@@ -14,6 +14,9 @@ SAMPLING_EPS = 1e-5
 
 MAX_LOGPROBS = 20
 """Most top logprobs one request may ask for (-1 asks for the whole vocabulary)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integer fields cross to the engine core as msgpack int64 (a seed as uint64, up to 2**64 - 1,
+which is also torch's generator range)."""
 
 
 class SamplingParams:
@@ -129,32 +132,41 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        check(isinstance(self.n, int) and 1 <= self.n <= INT64_MAX, "n", "an integer >= 1")
         check(self.temperature >= 0.0, "temperature", ">= 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 (disabled) or >= 1")
+        check(
+            isinstance(self.top_k, int) and 0 <= self.top_k <= INT64_MAX,
+            "top_k",
+            f"-1 or 0 (disabled) or an integer in [1, {INT64_MAX}]",
+        )
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            "max_tokens",
-            "an integer >= 1 or None",
+            self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed < 2**64),
+            "seed",
+            f"None or an integer in [{INT64_MIN}, {2**64 - 1}]",
         )
         check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            self.max_tokens is None
+            or (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= INT64_MAX),
+            "max_tokens",
+            f"None or an integer in [1, {INT64_MAX}]",
+        )
+        check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= INT64_MAX,
             "min_tokens",
-            "an integer >= 0",
+            f"an integer in [0, {INT64_MAX}]",
         )
         if self.max_tokens is not None:
             check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
             "stop_token_ids",
-            "non-negative integers",
+            "non-negative int64 integers",
         )
         check(
             self.logprobs is None

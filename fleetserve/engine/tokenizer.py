@@ -10,11 +10,45 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+"""A model folder holds its tokenizer in one of these (fast JSON, SentencePiece, BPE/WordPiece
+vocabularies); `tokenizer_config.json` alone is not a tokenizer."""
+
+NO_TOKENIZER_HINT = (
+    "add the model's tokenizer files, or start the engine with skip_tokenizer_init=True "
+    "(--skip-tokenizer-init) to serve token-id prompts and outputs only"
+)
+
+
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
-    """Load the HF tokenizer stored in a model folder (fast tokenizer when available)."""
+    """Load the HF tokenizer stored in a model folder (fast tokenizer when available).
+
+    Raises:
+        ValueError: the folder holds no tokenizer (the message names the files looked for),
+            or transformers could not load it (its error, with the folder).
+    """
+    folder = Path(model)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model folder {str(folder)!r} has no tokenizer: none of {list(TOKENIZER_FILES)} "
+            f"is there; {NO_TOKENIZER_HINT}"
+        )
     from transformers import AutoTokenizer
 
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model))
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"cannot load the tokenizer of {str(model)!r} ({type(exc).__name__}: {exc}); "
+            f"{NO_TOKENIZER_HINT}"
+        ) from exc
     return tokenizer
 
 

@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -106,6 +107,14 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise RequestError(400, "the request body must be a JSON object")
     try:
+        # NOTE: JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no Unicode text:
+        # refused here, it cannot fail later in a tokenizer or on the way to the engine core.
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            400, "the request body holds invalid Unicode (an unpaired UTF-16 surrogate escape)"
+        ) from exc
+    try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -113,7 +122,11 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         # NOTE: `param` is the top-level field; the message keeps the full path (union members,
         # list indices) so the client sees exactly what failed.
         param = loc[0] if loc else None
-        raise RequestError(400, f"{'.'.join(loc)}: {first['msg']}", param=param) from exc
+        message = f"{'.'.join(loc)}: {first['msg']}"
+        given = first.get("input")
+        if isinstance(given, str | int | float | bool):
+            message += f", got {repr(given)[:100]}"
+        raise RequestError(400, message, param=param) from exc
 
 
 def value_error(exc: ValueError, default_param: str | None = None) -> RequestError:

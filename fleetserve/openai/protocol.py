@@ -5,6 +5,13 @@ Requests also accept vLLM's extra sampling fields (`top_k`, `min_p`, `repetition
 unknown fields are ignored, as vLLM does. The models only describe the bodies: the engine's
 server turns a request into its `SamplingParams` (`fleetserve/server/sampling.py`), so this
 module loads without the engine and the router can validate and forward the same bodies.
+
+Limits are OpenAI's (and vLLM's): `n` in [1, 128], completions `logprobs` and chat
+`top_logprobs` in [0, 20]; they are in the published schema (`openapi.py`) too. The sampling
+fields' ranges are the engine's (`SamplingParams` validates them; the schema only documents
+them, and the suite's fuzzer checks that the two agree). Fields of
+features not built yet (`tools`, `response_format`, ...) are declared so that a request using
+them is refused by name (`unsupported_feature`) instead of silently ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +20,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128
+"""Most sequences one request may ask for (OpenAI's limit)."""
+MAX_LOGPROBS = 20
+"""Most top logprobs per token (OpenAI's and vLLM's limit)."""
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+"""Prompts one completions request may batch unless the server says otherwise."""
 
 
 def random_id(prefix: str) -> str:
@@ -79,28 +93,44 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, json_schema_extra={"minimum": -(2**63), "maximum": 2**64 - 1})
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, json_schema_extra={"minimum": -1, "maximum": 2**63 - 1})
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: int = Field(0, json_schema_extra={"minimum": 0, "maximum": 2**63 - 1})
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="Only {'type': 'text'} until structured output lands."
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n}")
+        return n
+
+    def unsupported_feature(self) -> tuple[str, str] | None:
+        """(field, feature) when the body asks for a feature this server does not have yet."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "structured output"
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -115,10 +145,15 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, json_schema_extra={"minimum": 1})
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, logprobs: int | None) -> int | None:
+        return _check_logprobs("logprobs", logprobs)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts of this request: one string or id list, or a batch of either.
@@ -143,19 +178,64 @@ class CompletionRequest(SamplingRequest):
         return batch
 
 
+class ChatContentPart(OpenAIModel):
+    """A part of a message's content; only `text` parts are served (no multimodal input)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(OpenAIModel):
+    """One message of a conversation: its role and text (other message fields are ignored)."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ChatContentPart] | None = None
+
+
+def messages_as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The plain `{role, content}` dicts the chat template takes."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(
+        None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = Field(None, description="Refused until tool calling.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
+    functions: list[dict[str, Any]] | None = Field(None, description="Refused (deprecated).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top_logprobs: int | None) -> int | None:
+        return _check_logprobs("top_logprobs", top_logprobs)
+
+    def unsupported_feature(self) -> tuple[str, str] | None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, "tool calling"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                return name, "tool calling"
+        return super().unsupported_feature()
+
+
+def _check_logprobs(name: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

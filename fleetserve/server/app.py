@@ -6,7 +6,9 @@ starts the periodic stats log, and on shutdown stops both. State lives in typed 
 on the app (no module globals), so tests can run several apps in one process.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health (200 only while the engine core process lives), /metrics (Prometheus text).
+/health (200 only while the engine can serve: its core process and its output task live),
+/metrics (Prometheus text), /openapi.json (the schema of every route, generated from the
+pydantic protocol models: `fleetserve.openai.openapi`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from fleetserve.engine.async_llm import AsyncLLM
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.engine_client import EngineClient
+from fleetserve.engine.engine_client import DEFAULT_MAX_PENDING_OUTPUTS, EngineClient
 from fleetserve.engine.metrics import EngineMetrics
 from fleetserve.openai.errors import (
     RequestError,
@@ -35,13 +37,16 @@ from fleetserve.openai.errors import (
     make_auth_middleware,
     parse_body,
 )
+from fleetserve.openai.openapi import openapi_schema
 from fleetserve.openai.protocol import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    messages_as_dicts,
 )
 from fleetserve.server.serving import OpenAIServing
 from fleetserve.server.serving_chat import create_chat_completion
@@ -60,7 +65,14 @@ class ServerConfig:
     api_key: str | None = None
     """When set, /v1 routes require `Authorization: Bearer <api_key>`."""
     max_waiting_requests: int = 1024
-    """Sequences allowed to wait for a batch slot; beyond it requests get 429 + Retry-After."""
+    """Sequences allowed to wait for a batch slot (preempted ones included); beyond it requests
+    get 429 + Retry-After (a request with more sequences than this gets 400)."""
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    """Prompts one completions request may batch; more is a 400."""
+    max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS
+    """Outputs a request's client may leave unread before the request is aborted."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer (`EngineArgs.skip_tokenizer_init`): token ids in and out only."""
     stats_log_interval_s: float = 10.0
     """Period of the one-line stats log (0 disables it)."""
     startup_timeout_s: float = 600.0
@@ -69,6 +81,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        for name in ("max_prompts_per_request", "max_pending_outputs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.stats_log_interval_s < 0:
             raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
 
@@ -101,6 +116,7 @@ def create_app(config: ServerConfig, engine_client: EngineClient | None = None) 
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -112,7 +128,12 @@ async def _engine_ctx(
     if engine is None:
         metrics = EngineMetrics(app[REGISTRY_KEY], config.served_model_name)
         engine = AsyncLLM(
-            config.engine, metrics=metrics, max_waiting_requests=config.max_waiting_requests
+            config.engine,
+            metrics=metrics,
+            registry=app[REGISTRY_KEY],
+            max_waiting_requests=config.max_waiting_requests,
+            max_pending_outputs=config.max_pending_outputs,
+            skip_tokenizer_init=config.skip_tokenizer_init,
         )
     try:
         await engine.start(config.startup_timeout_s)
@@ -120,7 +141,9 @@ async def _engine_ctx(
         await engine.shutdown()
         raise
     app[ENGINE_KEY] = engine
-    app[SERVING_KEY] = OpenAIServing(engine, config.served_model_name)
+    app[SERVING_KEY] = OpenAIServing(
+        engine, config.served_model_name, config.max_prompts_per_request
+    )
     yield
     await engine.shutdown()
 
@@ -169,7 +192,7 @@ async def _models(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     if request.app[ENGINE_KEY].is_healthy:
         return web.Response(status=200)
-    return error_response(503, "the engine core process is not running")
+    return error_response(503, "the engine cannot serve (its core process or output task is gone)")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -181,13 +204,15 @@ async def _tokenize(request: web.Request) -> web.Response:
     body = await parse_body(request, TokenizeRequest)
     serving = request.app[SERVING_KEY]
     serving.check_model(body.model)
-    tokenizer = serving.tokenizer
+    tokenizer = serving.require_tokenizer("/tokenize requests", "prompt")
     if (body.prompt is None) == (body.messages is None):
         raise RequestError(400, "exactly one of prompt or messages is required", param="prompt")
     if body.messages is not None:
         try:
             ids = apply_chat_template(
-                tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+                tokenizer,
+                messages_as_dicts(body.messages),
+                add_generation_prompt=body.add_generation_prompt,
             )
         except ValueError as exc:
             raise RequestError(400, str(exc), param="messages") from exc
@@ -204,8 +229,16 @@ async def _detokenize(request: web.Request) -> web.Response:
     vocab = serving.engine.config.model.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise RequestError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
-    text = str(serving.tokenizer.decode(body.tokens))
+    tokenizer = serving.require_tokenizer("/detokenize requests", "tokens")
+    text = str(tokenizer.decode(body.tokens))
     return _json(DetokenizeResponse(prompt=text).model_dump_json())
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    config = request.app[CONFIG_KEY]
+    model = config.engine.model
+    schema = openapi_schema(config.served_model_name, model.max_model_len, model.vocab_size)
+    return web.json_response(schema)
 
 
 def _json(text: str) -> web.Response:

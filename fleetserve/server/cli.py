@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.engine_client import DEFAULT_MAX_PENDING_OUTPUTS
+from fleetserve.openai.protocol import DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 if TYPE_CHECKING:
     from fleetserve.server.app import ServerConfig
@@ -38,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 routes")  # fmt: skip
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="waiting sequences beyond which requests get 429")  # fmt: skip
+    server.add_argument("--max-prompts-per-request", type=int,
+                        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="prompts one completions request may batch")  # fmt: skip
+    server.add_argument("--max-pending-outputs", type=int, default=DEFAULT_MAX_PENDING_OUTPUTS,
+                        help="unread outputs after which a slow client's request is aborted")  # fmt: skip
     server.add_argument("--stats-log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")  # fmt: skip
 
@@ -46,12 +53,16 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
     """Parsed flags → `ServerConfig` (raises ValueError naming a bad flag value)."""
     from fleetserve.server.app import ServerConfig
 
-    engine = EngineArgs.from_cli_args(args).create_engine_config()
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = engine_args.create_engine_config()
     return ServerConfig(
         engine=engine,
         served_model_name=args.served_model_name or Path(engine.model.model).name,
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_pending_outputs=args.max_pending_outputs,
+        skip_tokenizer_init=engine_args.skip_tokenizer_init,
         stats_log_interval_s=args.stats_log_interval,
     )
 

@@ -1,12 +1,21 @@
 """The pipeline both generation endpoints share: prepare → submit → aggregate or stream.
 
-An endpoint (`serving_completion.py`, `serving_chat.py`) parses its body, builds the prompt
-token ids and the `SamplingParams` (`sampling.py`), then hands them to `OpenAIServing`:
-`prepare` checks every prompt against the context and names the request; `respond` submits
-each prompt to the `EngineClient` (admission is decided once, by the first), merges the
-prompts' output streams and either aggregates them into one JSON body or streams them as SSE,
-shaping choices through the endpoint's `ResponseFormat`. A stream is `data: {chunk}` events,
-an optional usage-only chunk (`stream_options.include_usage`), and `data: [DONE]`.
+An endpoint (`serving_completion.py`, `serving_chat.py`) parses its body (`check_body` refuses
+what this server would ignore), builds the prompt token ids and the `SamplingParams`
+(`sampling.py`), then hands them to `OpenAIServing`: `prepare` checks every prompt against the
+context and names the request; `respond` admits all of its sequences at once (prompts × n, all
+or nothing), submits each prompt to the `EngineClient`, merges the prompts' output streams and
+either aggregates them into one JSON body or streams them as SSE, shaping choices through the
+endpoint's `ResponseFormat`. A stream is `data: {chunk}` events, an optional usage-only chunk
+(`stream_options.include_usage`), and `data: [DONE]`.
+
+Errors: before the headers, an OpenAI-shaped JSON error (`request_error` maps the engine's
+exceptions to statuses); after them, an error event and then `data: [DONE]` all the same. Only
+a client that went away gets no ending.
+
+Ids: each engine request gets a fresh id; a client's `X-Request-Id` only names the response
+(echoed in the header and in the body's `id`) and the log lines, so two requests with the same
+header never touch each other.
 
 A completions request may carry a batch of prompts: each becomes its own engine request, and
 prompt p's choice j is choice `p * n + j` of the one response (OpenAI's numbering); their
@@ -23,7 +32,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from fleetserve.engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
+from fleetserve.engine.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequestError,
+    RequestRejectedError,
+    SlowReaderError,
+)
 from fleetserve.engine.request_output import (
     CompletionOutput,
     Logprob,
@@ -31,8 +47,15 @@ from fleetserve.engine.request_output import (
     RequestOutput,
 )
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.validation import validate_prompt
 from fleetserve.openai.errors import RequestError, error_body, value_error
-from fleetserve.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo, random_id
+from fleetserve.openai.protocol import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+    random_id,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -44,6 +67,7 @@ __all__ = [
     "PreparedRequest",
     "PromptInput",
     "ResponseFormat",
+    "request_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,17 +104,27 @@ class PreparedRequest:
     """A validated request, ready for the engine."""
 
     request_id: str
-    """The response's id (also the engine request's, unless the prompts are a batch)."""
+    """The response's id (`{prefix}-{X-Request-Id}` when the client named the request)."""
     body: SamplingRequest
     prompts: list[PromptInput]
     params: SamplingParams
     client_request_id: str | None = None
+    return_token_ids: bool = False
+    """Responses carry token ids (asked for, or the only output without a tokenizer)."""
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     """Prompt index → its prompt logprobs, filled as outputs arrive (echo with logprobs)."""
 
     @property
     def headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.client_request_id} if self.client_request_id else {}
+
+    @property
+    def log_name(self) -> str:
+        """How logs name it: the first engine id, and the client's id when it sent one."""
+        name = self.prompts[0].request_id
+        return (
+            f"{name} (X-Request-Id {self.client_request_id!r})" if self.client_request_id else name
+        )
 
     @property
     def num_choices(self) -> int:
@@ -134,11 +168,48 @@ class ResponseFormat(Protocol):
 class OpenAIServing:
     """The generation pipeline of one served model, over an `EngineClient`."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
+        self.max_prompts_per_request = max_prompts_per_request
+        self.tokenizer: PreTrainedTokenizerBase | None = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
+        self.scheduling_policy = engine.config.scheduler.policy
+
+    def check_body(self, body: SamplingRequest) -> None:
+        """Refuse what this server would otherwise ignore (each a 400 naming the field)."""
+        self.check_model(body.model)
+        unsupported = body.unsupported_feature()
+        if unsupported is not None:
+            name, feature = unsupported
+            raise RequestError(
+                400,
+                f"{name} is not supported: this server has no {feature} yet; leave {name} unset",
+                param=name,
+            )
+        if body.priority != 0 and self.scheduling_policy != "priority":
+            raise RequestError(
+                400,
+                f"priority is honoured only when the engine runs --scheduling-policy priority; "
+                f"this one schedules {self.scheduling_policy}, so priority must be 0",
+                param="priority",
+            )
+
+    def require_tokenizer(self, what: str, param: str) -> PreTrainedTokenizerBase:
+        """The tokenizer, or a 400 saying that `what` needs one (skip_tokenizer_init)."""
+        if self.tokenizer is None:
+            raise RequestError(
+                400,
+                f"this server runs with skip_tokenizer_init (no tokenizer), so it cannot take "
+                f"{what}: send prompts as token id lists (outputs come as token_ids)",
+                param=param,
+            )
+        return self.tokenizer
 
     def check_model(self, model: str | None) -> None:
         # NOTE: vLLM answers 404 here; our contract (issue 3) treats an unknown model as bad
@@ -162,9 +233,16 @@ class OpenAIServing:
         """Check every prompt's length against the context and name the engine requests.
 
         Raises:
-            RequestError: 400 when a prompt plus `max_tokens` exceeds `max_model_len`.
+            RequestError: 400 when a prompt is invalid for the model (`validate_prompt`) or a
+                prompt plus `max_tokens` exceeds `max_model_len`.
         """
         for ids, _ in prompts:
+            # NOTE: what can be checked here is, before admission, so bad input is a 400 and
+            # never a 429 (the engine client checks again, with the KV cache's capacity).
+            try:
+                validate_prompt(ids, params, self.engine.config)
+            except ValueError as exc:
+                raise value_error(exc, "prompt") from exc
             if params.max_tokens is None or len(ids) + params.max_tokens <= self.max_model_len:
                 continue
             raise RequestError(
@@ -175,16 +253,18 @@ class OpenAIServing:
                 "prompt or max_tokens.",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt",
             )
-        # NOTE: a client (or a router hop) may name the request with X-Request-Id; it is echoed
-        # back and used in the engine, so one id follows the request through P/D and logs.
+        # NOTE: a client (or a router hop) may name the request with X-Request-Id; it names the
+        # response and the logs, never an engine request: clients reuse ids (retries).
         client_id = request.headers.get(REQUEST_ID_HEADER)
-        request_id = f"{id_prefix}-{client_id}" if client_id else random_id(id_prefix)
+        engine_id = random_id(id_prefix)
+        if client_id:
+            logger.debug("%s is X-Request-Id %r", engine_id, client_id)
         if len(prompts) == 1:
-            engine_ids = [request_id]
+            engine_ids = [engine_id]
         else:
-            engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+            engine_ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
         return PreparedRequest(
-            request_id,
+            f"{id_prefix}-{client_id}" if client_id else engine_id,
             body,
             [
                 PromptInput(engine_id, ids, text)
@@ -192,45 +272,59 @@ class OpenAIServing:
             ],
             params,
             client_id,
+            return_token_ids=body.return_token_ids or self.tokenizer is None,
         )
 
     async def respond(
         self, request: web.Request, prepared: PreparedRequest, response_format: ResponseFormat
     ) -> web.StreamResponse:
-        """Submit the prompts and answer with one JSON body or an SSE stream."""
+        """Admit and submit the prompts, then answer with one JSON body or an SSE stream."""
+        self._admit(prepared)
+        submitted: list[str] = []
         try:
-            outputs = _merge_prompt_streams(self._submit(prepared))
+            outputs = _merge_prompt_streams(self._submit(prepared, submitted))
             if prepared.body.stream:
                 return await self._stream(request, prepared, response_format, outputs)
             return await self._aggregate(prepared, response_format, outputs)
         finally:
             # NOTE: a no-op once finished; aborts (frees KV blocks) on disconnect, on error, and
-            # for the prompts of a batch admitted before a later one was refused.
-            for prompt in prepared.prompts:
-                self.engine.abort(prompt.request_id)
+            # for the prompts of a batch added before a later one was refused. Only ids this
+            # request added: an id it did not add is someone else's.
+            for request_id in submitted:
+                self.engine.abort(request_id)
 
-    def _submit(self, prepared: PreparedRequest) -> list[AsyncIterator[RequestOutput]]:
-        """Add every prompt to the engine; the first one decides admission for the batch."""
+    def _admit(self, prepared: PreparedRequest) -> None:
+        """All the request's sequences (prompts × n) are admitted at once, or none."""
+        try:
+            self.engine.check_admission(prepared.num_choices)
+        except (EngineDeadError, EngineOverloadedError) as exc:
+            raise request_error(exc) from exc
+        except ValueError as exc:
+            # More sequences than may ever wait: retrying cannot help, so it is bad input.
+            raise RequestError(
+                400, str(exc), param="n" if prepared.params.n > 1 else "prompt"
+            ) from exc
+
+    def _submit(
+        self, prepared: PreparedRequest, submitted: list[str]
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Add every prompt to the engine (admitted already); `submitted` collects the ids."""
         streams = []
-        for prompt_index, prompt in enumerate(prepared.prompts):
+        for prompt in prepared.prompts:
             try:
-                streams.append(
-                    self.engine.generate(
-                        prompt.request_id,
-                        prompt.token_ids,
-                        prepared.params,
-                        prompt=prompt.text,
-                        priority=prepared.body.priority,
-                        cache_salt=prepared.body.cache_salt,
-                        admit=prompt_index == 0,
-                    )
+                stream = self.engine.generate(
+                    prompt.request_id,
+                    prompt.token_ids,
+                    prepared.params,
+                    prompt=prompt.text,
+                    priority=prepared.body.priority,
+                    cache_salt=prepared.body.cache_salt,
+                    admit=False,
                 )
-            except ValueError as exc:
-                raise value_error(exc, "prompt") from exc
-            except EngineOverloadedError as exc:
-                raise RequestError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
-            except EngineDeadError as exc:
-                raise _engine_dead(exc) from exc
+            except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
+                raise request_error(exc, default_param="prompt") from exc
+            submitted.append(prompt.request_id)
+            streams.append(stream)
         return streams
 
     async def _aggregate(
@@ -253,8 +347,8 @@ class OpenAIServing:
                     choice.logprobs.extend(delta.logprobs or [])
                     choice.finish_reason = delta.finish_reason
                     choice.stop_reason = delta.stop_reason
-        except EngineDeadError as exc:
-            raise _engine_dead(exc) from exc
+        except Exception as exc:
+            raise request_error(exc, log_name=prepared.log_name) from exc
         usage = _usage(prepared, sum(len(c.token_ids) for c in choices), sum(cached.values()))
         return web.Response(
             text=response_format.full(prepared, choices, usage),
@@ -307,18 +401,49 @@ class OpenAIServing:
             if prepared.body.include_usage_in_stream:
                 usage = _usage(prepared, num_generated, sum(cached.values()))
                 await response.write(_sse(response_format.usage_chunk(prepared, usage)))
-        except EngineDeadError as exc:
-            await response.write(_sse(error_body(503, str(exc))))
         except ConnectionError:
-            logger.info("client disconnected; aborting %s", prepared.request_id)
+            logger.info("client disconnected; aborting %s", prepared.log_name)
             return response
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        except Exception as exc:
+            # NOTE: the headers are out; the error goes in the stream, which still ends.
+            error = request_error(exc, log_name=prepared.log_name)
+            try:
+                await response.write(
+                    _sse(error_body(error.status, error.message, error.param, error.code))
+                )
+            except ConnectionError:
+                return response
+        try:
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:
+            logger.info("client disconnected at the end of %s", prepared.log_name)
         return response
 
 
-def _engine_dead(exc: EngineDeadError) -> RequestError:
-    return RequestError(503, str(exc), retry_after_s=ENGINE_DEAD_RETRY_AFTER_S)
+def request_error(
+    exc: BaseException, *, default_param: str | None = None, log_name: str = "a request"
+) -> RequestError:
+    """The HTTP error for an exception from the engine client (see `EngineClient.generate`):
+    503 dead, 429 overloaded, 400 invalid or refused by the core, 500 failed by the engine,
+    408 a reader too slow; anything else is logged and answered as a 500."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return RequestError(503, str(exc), retry_after_s=ENGINE_DEAD_RETRY_AFTER_S)
+    if isinstance(exc, EngineOverloadedError):
+        return RequestError(429, str(exc), retry_after_s=exc.retry_after_s)
+    if isinstance(exc, RequestRejectedError):
+        return RequestError(400, f"the engine refused the request: {exc}")
+    if isinstance(exc, ValueError):
+        return value_error(exc, default_param)
+    if isinstance(exc, EngineRequestError):
+        logger.error("%s failed in the engine: %s", log_name, exc)
+        return RequestError(500, str(exc))
+    if isinstance(exc, SlowReaderError):
+        return RequestError(408, str(exc), code="slow_reader")
+    logger.error("unexpected error serving %s", log_name, exc_info=exc)
+    return RequestError(500, "internal server error")
 
 
 def _sse(payload: str) -> bytes:

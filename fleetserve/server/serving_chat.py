@@ -25,6 +25,7 @@ from fleetserve.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     UsageInfo,
+    messages_as_dicts,
 )
 from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
@@ -41,10 +42,13 @@ async def create_chat_completion(
 ) -> web.StreamResponse:
     """The chat endpoint: 400 (naming the field) for a bad body, else JSON or SSE."""
     body = await parse_body(request, ChatCompletionRequest)
-    serving.check_model(body.model)
+    serving.check_body(body)
+    tokenizer = serving.require_tokenizer("chat messages", "messages")
     try:
         prompt_ids = apply_chat_template(
-            serving.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt
+            tokenizer,
+            messages_as_dicts(body.messages),
+            add_generation_prompt=body.add_generation_prompt,
         )
     except ValueError as exc:
         raise RequestError(400, str(exc), param="messages") from exc
@@ -54,7 +58,7 @@ async def create_chat_completion(
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, [(prompt_ids, None)], params, "chatcmpl")
-    response_format = ChatFormat(serving.tokenizer, serving.model_name)
+    response_format = ChatFormat(tokenizer, serving.model_name)
     return await serving.respond(request, prepared, response_format)
 
 
@@ -64,7 +68,7 @@ class ChatFormat:
         self.model_name = model_name
 
     def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
-        want_ids = prepared.body.return_token_ids
+        want_ids = prepared.return_token_ids
         return ChatCompletionResponse(
             id=prepared.request_id,
             model=self.model_name,
@@ -84,7 +88,7 @@ class ChatFormat:
         ).model_dump_json()
 
     def first_chunks(self, prepared: PreparedRequest) -> list[str]:
-        want_ids = prepared.body.return_token_ids
+        want_ids = prepared.return_token_ids
         return [
             ChatCompletionStreamResponse(
                 id=prepared.request_id,
@@ -115,7 +119,7 @@ class ChatFormat:
             logprobs=self._logprobs(prepared, delta.token_ids, delta.logprobs or []),
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
-            token_ids=delta.token_ids if prepared.body.return_token_ids else None,
+            token_ids=delta.token_ids if prepared.return_token_ids else None,
         )
         return ChatCompletionStreamResponse(
             id=prepared.request_id, model=self.model_name, choices=[choice], usage=usage
@@ -131,5 +135,5 @@ class ChatFormat:
     ) -> ChatLogprobs | None:
         if prepared.params.logprobs is None:
             return None
-        top_k = max(prepared.params.logprobs, 0)
+        top_k = prepared.params.logprobs
         return chat_logprobs(token_ids, entries, top_k, self.tokenizer)

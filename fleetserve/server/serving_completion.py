@@ -14,7 +14,7 @@ from aiohttp import web
 
 from fleetserve.engine.request_output import CompletionOutput, Logprob
 from fleetserve.engine.tokenizer import encode_prompt
-from fleetserve.openai.errors import parse_body, value_error
+from fleetserve.openai.errors import RequestError, parse_body, value_error
 from fleetserve.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
@@ -36,13 +36,25 @@ __all__ = ["CompletionFormat", "create_completion"]
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
     """The completions endpoint: 400 (naming the field) for a bad body, else JSON or SSE."""
     body = await parse_body(request, CompletionRequest)
-    serving.check_model(body.model)
+    serving.check_body(body)
     try:
         prompts = body.prompt_list()
     except ValueError as exc:
         raise value_error(exc, "prompt") from exc
+    limit = serving.max_prompts_per_request
+    if len(prompts) > limit:
+        raise RequestError(
+            400,
+            f"prompt holds {len(prompts)} prompts, but this server takes at most {limit} per "
+            "request (--max-prompts-per-request); split the batch",
+            param="prompt",
+        )
+    if body.echo:
+        serving.require_tokenizer("echo (it returns the prompt's text)", "echo")
     encoded: list[tuple[list[int], str | None]] = [
-        (encode_prompt(serving.tokenizer, p), p) if isinstance(p, str) else (list(p), None)
+        (encode_prompt(serving.require_tokenizer("text prompts", "prompt"), p), p)
+        if isinstance(p, str)
+        else (list(p), None)
         for p in prompts
     ]
     try:
@@ -57,14 +69,14 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
 class CompletionFormat:
     """Per request: it keeps each choice's text offset across stream chunks."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, model_name: str) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._text_offsets: dict[int, int] = {}
         self._started: set[int] = set()
 
     def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
-        want_ids = prepared.body.return_token_ids
+        want_ids = prepared.return_token_ids
         return CompletionResponse(
             id=prepared.request_id,
             model=self.model_name,
@@ -97,7 +109,7 @@ class CompletionFormat:
     ) -> str | None:
         if not (delta.text or delta.finish_reason or delta.token_ids):
             return None
-        want_ids = prepared.body.return_token_ids
+        want_ids = prepared.return_token_ids
         first = choice_index not in self._started
         self._started.add(choice_index)
         choice = CompletionResponseChoice(
@@ -134,6 +146,7 @@ class CompletionFormat:
         prompt = prepared.prompt_of(choice_index)
         if prompt.text is not None:
             return prompt.text
+        assert self.tokenizer is not None, "echo needs a tokenizer (refused earlier)"
         return str(self.tokenizer.decode(prompt.token_ids))
 
     def _logprobs(
@@ -157,7 +170,8 @@ class CompletionFormat:
                 for pos, token_id in enumerate(prepared.prompt_of(choice_index).token_ids)
             ]
         rows += zip(token_ids, entries, strict=False)
-        top_k = max(prepared.params.logprobs, 0)
+        assert self.tokenizer is not None, "logprobs need a tokenizer (refused earlier)"
+        top_k = prepared.params.logprobs
         result, self._text_offsets[choice_index] = completion_logprobs(
             rows, top_k, self.tokenizer, self._text_offsets.get(choice_index, 0)
         )

@@ -119,3 +119,36 @@ def test_logprob_rows_become_entries_and_a_cumulative_sum(tokenizer: Any) -> Non
         {2: 2, 5: 1},
         {3: 1},
     ]
+
+
+# -- failures of one request (issue 13) --------------------------------------------------------
+
+
+def test_an_error_from_the_core_fails_the_parent_and_aborts_its_siblings(tokenizer: Any) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(n=2), kind=OutputKind.DELTA)
+    processor.add_request("s", None, [1], SamplingParams(), kind=OutputKind.DELTA)
+    processed = processor.process_outputs(
+        [EngineCoreOutput("0_r", [], finish_reason="abort", error="RuntimeError: boom"),
+         EngineCoreOutput("s", [7])]
+    )  # fmt: skip
+    assert processed.failed == {"r": "RuntimeError: boom"}
+    assert processed.reqs_to_abort == ["1_r"]  # the failed child is finished in the core already
+    # The failed request is forgotten and never completes normally; the other one goes on.
+    assert not processor.has_request("r") and processor.parent_id_of("1_r") is None
+    assert [o.request_id for o in processed.request_outputs] == ["s"]
+    assert processor.process_outputs([EngineCoreOutput("1_r", [5])]).request_outputs == []
+
+
+def test_a_failure_processing_one_output_fails_only_its_request(tokenizer: Any) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("bad", None, [1], SamplingParams(logprobs=1), kind=OutputKind.DELTA)
+    processor.add_request("good", None, [1], SamplingParams(), kind=OutputKind.DELTA)
+    malformed = LogprobsLists([[7, 8]], [[-0.5]], [1])  # ids and values disagree in length
+    processed = processor.process_outputs(
+        [EngineCoreOutput("bad", [7], malformed), EngineCoreOutput("good", [7])]
+    )
+    assert list(processed.failed) == ["bad"] and "ValueError" in processed.failed["bad"]
+    assert processed.reqs_to_abort == ["bad"]
+    assert [o.request_id for o in processed.request_outputs] == ["good"]
+    assert not processor.has_request("bad") and processor.has_request("good")

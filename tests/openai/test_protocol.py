@@ -58,7 +58,7 @@ def test_request_bodies_keep_openai_and_vllm_fields_and_ignore_unknown_ones() ->
     assert not chat.include_usage_in_stream
     # Defaults are OpenAI's: completions default to 16 tokens, chat to no limit.
     assert CompletionRequest.model_validate({"prompt": "a"}).max_tokens == 16
-    assert ChatCompletionRequest.model_validate({"messages": [{}]}).max_tokens is None
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user"}]}).max_tokens is None
 
 
 def test_response_bodies_round_trip_and_omit_nothing() -> None:

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from fleetserve.engine.config import EngineConfig
-from fleetserve.engine.engine_client import EngineDeadError, EngineOverloadedError
+from fleetserve.engine.engine_client import EngineDeadError, check_waiting_bound
 from fleetserve.engine.metrics import StatsLogger
 from fleetserve.engine.request_output import (
     CompletionOutput,
@@ -27,7 +27,7 @@ from fleetserve.engine.request_output import (
     RequestOutput,
 )
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.validation import validate_prompt
+from fleetserve.engine.validation import KVCapacity, validate_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -116,14 +116,18 @@ class FakeEngineClient:
     config: EngineConfig
     tokenizer: PreTrainedTokenizerBase
     script: Script | None = None
-    max_waiting_requests: int = 4
+    max_waiting_requests: int = 16
     stats_logger: StatsLogger = field(default_factory=StatsLogger)
     healthy: bool = True
     waiting: int = 0
     """Sequences that pretend to wait (admission counts them)."""
+    kv_capacity: KVCapacity | None = None
+    """Validated in `generate` as the real client does (None: unknown, not checked)."""
     step_delay_s: float = 0.0
     """Pause before each output (0: just yield to the event loop)."""
     calls: list[GenerateCall] = field(default_factory=list)
+    admissions: list[int] = field(default_factory=list)
+    """The sequence counts of the admissions granted (`check_admission`)."""
     aborted: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
     started: bool = False
@@ -143,13 +147,11 @@ class FakeEngineClient:
     async def shutdown(self) -> None:
         self.shut_down = True
 
-    def check_admission(self) -> None:
+    def check_admission(self, num_sequences: int = 1) -> None:
         if not self.healthy:
             raise EngineDeadError("the engine core process is not running")
-        if self.waiting >= self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.waiting} requests are waiting", retry_after_s=1
-            )
+        check_waiting_bound(self.waiting, num_sequences, self.max_waiting_requests)
+        self.admissions.append(num_sequences)
 
     def generate(
         self,
@@ -163,10 +165,10 @@ class FakeEngineClient:
         admit: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         if admit:
-            self.check_admission()
+            self.check_admission(params.n)
         elif not self.healthy:
             raise EngineDeadError("the engine core process is not running")
-        validate_prompt(prompt_token_ids, params, self.config)
+        validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         call = GenerateCall(
             request_id, prompt_token_ids, params, prompt, priority, cache_salt, admit
         )

@@ -59,16 +59,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(tmp_path: Path, *extra_args: str) -> Iterator[ServerHandle]:
-    from fleetserve.engine.models.bundled import bundled_model_path
+def start_server(
+    tmp_path: Path, *extra_args: str, model: str | None = None, max_model_len: int = MAX_MODEL_LEN
+) -> Iterator[ServerHandle]:
+    """Serve `model` (default: the bundled SmolLM2) until the generator is closed."""
+    if model is None:
+        from fleetserve.engine.models.bundled import bundled_model_path
 
-    model = str(bundled_model_path())
+        model = str(bundled_model_path())
     port = _free_port()
     log_path = tmp_path / "server.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "fleetserve.server", model, "--port", str(port),
-         "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+         "--max-model-len", str(max_model_len), "--api-key", API_KEY,
          "--stats-log-interval", "1", *extra_args],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

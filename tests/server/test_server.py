@@ -1,6 +1,6 @@
 """End to end against a real `fleetserve serve` process (bundled SmolLM2, CPU), with `openai`.
 
-One server per module: --max-num-seqs 4 --max-waiting-requests 4 --api-key. The engine-death
+One server per module: --max-num-seqs 4 --max-waiting-requests 6 --api-key. The engine-death
 test runs last because it kills the server's engine core. These tests check what only the real
 engine shows (outputs equal to `LLM`'s, stop strings across processes, real logprobs, aborts
 freeing KV blocks, metrics, overload, death) and walk each endpoint's path end to end; the
@@ -32,7 +32,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     yield from start_server(
-        tmp_path_factory.mktemp("server"), "--max-num-seqs", "4", "--max-waiting-requests", "4"
+        tmp_path_factory.mktemp("server"), "--max-num-seqs", "4", "--max-waiting-requests", "6"
     )
 
 
@@ -362,8 +362,8 @@ def test_overload_gets_429_with_retry_after(server: ServerHandle) -> None:
         results = list(pool.map(lambda _: _post(server, "/v1/completions", body), range(16)))
     statuses = sorted(r.status_code for r in results)
     assert set(statuses) == {200, 429}, statuses
-    # 4 batch slots + 4 waiting: at most 8 admitted, at least 4.
-    assert 4 <= statuses.count(200) <= 8
+    # 4 batch slots + 6 waiting sequences: at most 10 admitted, at least 6.
+    assert 6 <= statuses.count(200) <= 10
     for r in results:
         if r.status_code == 429:
             assert int(r.headers["Retry-After"]) >= 1

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient
 
 from fleetserve.engine.engine_client import EngineDeadError
 from fleetserve.engine.request_output import RequestOutput
+from fleetserve.engine.validation import KVCapacity
 from tests.server.fake_engine import (
     FakeEngineClient,
     GenerateCall,
@@ -108,6 +109,13 @@ def test_a_batch_is_admitted_once_and_a_refused_prompt_aborts_the_others(
     assert fake_engine.calls == []
     status, text, _ = _post(make_app, "/v1/completions", {"prompt": [[5, 6], [10**7]]})
     assert status == 400 and json.loads(text)["error"]["param"] == "prompt_token_ids"
+    assert fake_engine.calls == []  # the front end's own checks run before the engine's
+    # Only the engine knows its KV capacity: the second prompt is refused after the first
+    # was added, which is then aborted.
+    fake_engine.kv_capacity = KVCapacity(num_blocks=3, block_size=16)  # 32 tokens
+    status, text, _ = _post(make_app, "/v1/completions", {"prompt": [[5, 6], [7] * 40]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "prompt"
+    assert "KV cache" in json.loads(text)["error"]["message"]
     assert [c.request_id for c in fake_engine.calls] == [fake_engine.aborted[0]]
     assert fake_engine.live == set()
 

@@ -5,22 +5,34 @@ Lifecycle (ARCHITECTURE.md §1):
 1. The API server binds a PUSH socket (requests in) and a PULL socket (outputs out) and spawns
    `run_engine_core` with the "spawn" start method (torch and fork do not mix).
 2. The core process connects, builds the `EngineCore` (loads the model) and sends `ReadyMessage`
-   (or `FailedMessage` with the error text, then exits). The messages are in `messages.py`.
+   with its real KV capacity (or `FailedMessage` with the error text, then exits). The messages
+   are in `messages.py`.
 3. Busy loop: drain the input socket (adds, aborts, stops; non-blocking while there is work, a
    blocking poll when idle), run one `step()`, and send the step's outputs together with the
-   scheduler's stats and the first-scheduled times of requests that started running.
+   scheduler's stats, the first-scheduled times of requests that started running and how many
+   adds it has processed.
 4. `ShutdownMessage`, the parent's death or a crash in `step()` ends the loop; the API server
    notices the dead process (its /health fails and in-flight requests end with an error).
+
+One request's bad add never ends the loop: a `ValueError` rejects it (`rejected`), any other
+exception, or a message that does not decode but names its request, fails it (an output with
+`error`). Backpressure: the output socket holds at most `OUTPUT_HWM` messages; when the API
+server stops reading, the core waits to send, checking all the while that its parent lives.
+Inputs are unbounded on purpose: admission control bounds them (at most an add, a stop and an
+abort per admitted sequence), and a bounded input could block the API server's event loop
+while the core waits on it, a deadlock; so an abort is never dropped nor delayed by a bound.
 
 Tokenization, detokenization and HTTP never run here, so they never stall the step loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -43,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500
 """Blocking poll when idle; also how often an idle core checks that its parent still lives."""
+OUTPUT_HWM = 64
+"""Step messages queued towards the API server before the core waits for it to read."""
+SEND_POLL_MS = 100
+"""While waiting to send: how often the core checks that its parent still lives."""
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -55,9 +71,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     )
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.RCVHWM, 0)  # bounded by admission, see the module docstring
     input_socket.connect(input_address)
     output_socket = ctx.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 1000)
+    output_socket.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
@@ -70,7 +88,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.close()
         ctx.term()
         raise SystemExit(1) from exc
-    output_socket.send(encoder.encode(ReadyMessage(pid=os.getpid())))
+    ready = ReadyMessage(
+        pid=os.getpid(),
+        num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_blocks,
+        block_size=config.cache.block_size,
+    )
+    output_socket.send(encoder.encode(ready))
     try:
         _EngineLoop(core, input_socket, output_socket).run()
     finally:
@@ -80,11 +103,24 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ctx.term()
 
 
+class _ParentGoneError(Exception):
+    """The API server process died: the core has nobody to serve."""
+
+
 class _EngineLoop:
-    """Drain inputs, step, send outputs; one instance per core process."""
+    """Drain inputs, step, send outputs; one instance per core process.
+
+    Args:
+        parent_alive: whether the API server still lives (default: this process's parent is
+            the one that started it).
+    """
 
     def __init__(
-        self, core: Any, input_socket: zmq.Socket[bytes], output_socket: zmq.Socket[bytes]
+        self,
+        core: Any,
+        input_socket: zmq.Socket[bytes],
+        output_socket: zmq.Socket[bytes],
+        parent_alive: Callable[[], bool] | None = None,
     ) -> None:
         self.core = core
         self.input_socket = input_socket
@@ -93,40 +129,76 @@ class _EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.poller = zmq.Poller()
         self.poller.register(input_socket, zmq.POLLIN)
-        self.parent_pid = os.getppid()
+        if parent_alive is None:
+            parent_pid = os.getppid()
+
+            def parent_alive() -> bool:
+                return os.getppid() == parent_pid
+
+        self.parent_alive = parent_alive
         self.scheduled: set[str] = set()
         self.rejected: dict[str, str] = {}
+        self.failed_adds: list[EngineCoreOutput] = []
+        """Outputs (with `error`) of adds that failed otherwise than by a ValueError."""
+        self.num_adds_processed = 0
         self.shutdown = False
         self.needs_step = False
         """An abort/stop happened: step once so the runner drops the finished requests' state."""
         self.stats_dirty = False
 
     def run(self) -> None:
+        try:
+            self._run()
+        except _ParentGoneError:
+            logger.warning("API server process is gone; engine core exits")
+
+    def _run(self) -> None:
         while not self.shutdown:
             self._drain_inputs()
             if self.shutdown:
                 return
             # NOTE: checked every iteration (a cheap syscall), also while busy: with the API
             # server gone, sends would pile up and finally block, leaving an orphan process.
-            if os.getppid() != self.parent_pid:
-                logger.warning("API server process is gone; engine core exits")
-                return
+            self._check_parent()
             if self.core.has_unfinished_requests() or self.needs_step:
                 self._step()
-            elif self.stats_dirty or self.rejected:
+            elif self.stats_dirty or self.rejected or self.failed_adds:
                 self._send([], {})
+
+    def _check_parent(self) -> None:
+        if not self.parent_alive():
+            raise _ParentGoneError
 
     def _drain_inputs(self) -> None:
         busy = self.core.has_unfinished_requests() or self.needs_step
         timeout_ms = 0 if busy else IDLE_POLL_MS
         while self.poller.poll(timeout_ms):
-            self._handle(self.decoder.decode(self.input_socket.recv()))
+            self._receive(self.input_socket.recv())
             timeout_ms = 0
             if self.shutdown:
                 return
 
+    def _receive(self, raw: bytes) -> None:
+        try:
+            message = self.decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            # NOTE: the API server encodes every message itself, so this is a bug there; a
+            # message that still names its request fails that request instead of hanging it.
+            loose: Any = None
+            with contextlib.suppress(msgspec.DecodeError):
+                loose = msgspec.msgpack.decode(raw)
+            request_id = loose.get("request_id") if isinstance(loose, dict) else None
+            if isinstance(request_id, str) and loose.get("type") == "add":
+                self.num_adds_processed += 1
+                self._fail_add(request_id, exc)
+            else:
+                logger.error("dropping an undecodable message from the API server: %s", exc)
+            return
+        self._handle(message)
+
     def _handle(self, message: InputMessage) -> None:
         if isinstance(message, AddRequestMessage):
+            self.num_adds_processed += 1
             try:
                 self.core.add_request(
                     message.request_id,
@@ -139,6 +211,9 @@ class _EngineLoop:
                 )
             except ValueError as exc:
                 self.rejected[message.request_id] = str(exc)
+            except Exception as exc:
+                logger.exception("adding request %s failed", message.request_id)
+                self._fail_add(message.request_id, exc)
         elif isinstance(message, AbortMessage):
             self.core.abort_requests(message.request_ids)
             self._forget(message.request_ids)
@@ -147,6 +222,16 @@ class _EngineLoop:
             self._forget(message.request_ids)
         else:
             self.shutdown = True
+
+    def _fail_add(self, request_id: str, exc: Exception) -> None:
+        """Fail one add that did not go in (its error reaches that request only)."""
+        # NOTE: in case the add got half-way in before it raised; unknown ids are ignored.
+        self.core.abort_requests([request_id])
+        self.failed_adds.append(
+            EngineCoreOutput(
+                request_id, [], finish_reason="abort", error=f"{type(exc).__name__}: {exc}"
+            )
+        )
 
     def _forget(self, request_ids: list[str]) -> None:
         self.scheduled.difference_update(request_ids)
@@ -173,11 +258,22 @@ class _EngineLoop:
 
     def _send(self, outputs: list[EngineCoreOutput], scheduled_times: dict[str, float]) -> None:
         message = CoreOutputs(
-            outputs=outputs,
+            outputs=self.failed_adds + outputs,
             stats=self.core.make_stats(),
             scheduled_times=scheduled_times,
             rejected=self.rejected,
+            num_adds_processed=self.num_adds_processed,
         )
-        self.rejected = {}
+        self.rejected, self.failed_adds = {}, []
         self.stats_dirty = False
-        self.output_socket.send(self.encoder.encode(message))
+        data = self.encoder.encode(message)
+        while True:
+            try:
+                self.output_socket.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            # NOTE: the API server is not reading (busy or stalled): wait for it, which slows
+            # this loop to its pace, but never past its death.
+            self._check_parent()
+            self.output_socket.poll(SEND_POLL_MS, zmq.POLLOUT)

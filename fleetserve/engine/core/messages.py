@@ -63,9 +63,14 @@ InputMessage = AddRequestMessage | AbortMessage | StopMessage | ShutdownMessage
 
 
 class ReadyMessage(msgspec.Struct, tag="ready"):
-    """The model is loaded; the first message of a core that started."""
+    """The model is loaded; the first message of a core that started, with the KV capacity it
+    really has (known only once the worker measured memory), so the front end refuses a prompt
+    the cache can never hold before it reaches the core."""
 
     pid: int
+    num_kv_blocks: int
+    """KV blocks, the null block 0 included (`num_kv_blocks - 1` hold tokens)."""
+    block_size: int
 
 
 class FailedMessage(msgspec.Struct, tag="failed"):
@@ -82,7 +87,11 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     scheduled_times: dict[str, float] = msgspec.field(default_factory=dict)
     """Request id → monotonic time of the step that first scheduled it (for queue time)."""
     rejected: dict[str, str] = msgspec.field(default_factory=dict)
-    """Request id → error text, for adds the core refused (the front end validates first)."""
+    """Request id → error text, for adds the core refused as invalid (a `ValueError`; the front
+    end validates first). An add that failed otherwise comes back as an output with `error`."""
+    num_adds_processed: int = 0
+    """Adds the core has taken off its socket so far (refused ones too): what the front end
+    sent minus this is exactly what is still on its way, for admission control."""
 
 
 CoreMessage = ReadyMessage | FailedMessage | CoreOutputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -156,3 +157,97 @@ def test_outputs_with_logprobs_round_trip() -> None:
     )  # fmt: skip
     decoded = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(message))
     assert decoded == message
+
+
+# -- isolation and backpressure (issue 13) ------------------------------------------------------
+
+
+def _collect_until(
+    from_core: zmq.Socket[bytes], done: str
+) -> tuple[list[EngineCoreOutput], dict[str, str], int]:
+    """Outputs, rejections and the last adds-processed count until request `done` finishes."""
+    decoder = msgspec.msgpack.Decoder(CoreMessage)
+    outputs: list[EngineCoreOutput] = []
+    rejected: dict[str, str] = {}
+    processed = 0
+    while not any(o.req_id == done and o.finished for o in outputs):
+        message = decoder.decode(from_core.recv())
+        assert isinstance(message, CoreOutputs)
+        outputs += message.outputs
+        rejected |= message.rejected
+        processed = message.num_adds_processed
+    return outputs, rejected, processed
+
+
+def test_any_exception_in_an_add_fails_only_that_request(
+    loop_sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes], FakeCore],
+) -> None:
+    to_core, from_core, _ = loop_sockets
+    bad_params = {**SamplingParams(max_tokens=2).to_dict(), "temperature": None}  # TypeError
+    to_core.send(msgspec.msgpack.encode(AddRequestMessage(
+        request_id="typeerror", prompt_token_ids=[1], params=bad_params, eos_token_ids=[],
+        arrival_time=0.0,
+    )))  # fmt: skip
+    to_core.send(msgspec.msgpack.encode({"type": "add", "request_id": "partial"}))  # fields missing
+    to_core.send(b"\xc1 not msgpack at all")
+    unknown_key = {**SamplingParams(max_tokens=2).to_dict(), "bogus": 1}  # ValueError
+    to_core.send(msgspec.msgpack.encode(AddRequestMessage(
+        request_id="valueerror", prompt_token_ids=[1], params=unknown_key, eos_token_ids=[],
+        arrival_time=0.0,
+    )))  # fmt: skip
+    to_core.send(_add("good", 2))
+    outputs, rejected, processed = _collect_until(from_core, "good")
+    failed = {o.req_id: o for o in outputs if o.error is not None}
+    assert set(failed) == {"typeerror", "partial"}
+    assert all(o.finish_reason == "abort" and o.new_token_ids == [] for o in failed.values())
+    assert failed["typeerror"].error is not None and "TypeError" in failed["typeerror"].error
+    assert "unknown sampling field" in rejected["valueerror"]
+    assert [o.new_token_ids for o in outputs if o.req_id == "good"] == [[7], [7]]
+    assert processed == 4  # every add the core saw, refused or not (the garbage was no add)
+
+
+def test_a_full_output_socket_blocks_the_core_without_losing_an_abort_or_its_parent() -> None:
+    """Bounded outputs: with nobody reading, the core stops after a few messages (no memory
+    growth), still notices its parent dying, and an abort sent meanwhile is applied."""
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out.setsockopt(zmq.SNDHWM, 2)
+    from_core.setsockopt(zmq.RCVHWM, 2)
+    core_in.bind("inproc://in-bounded")
+    to_core.connect("inproc://in-bounded")
+    from_core.bind("inproc://out-bounded")
+    core_out.connect("inproc://out-bounded")
+    alive = threading.Event()
+    alive.set()
+    core = FakeCore()
+    loop = _EngineLoop(core, core_in, core_out, parent_alive=alive.is_set)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        to_core.send(_add("a", 10**9))
+        deadline = time.monotonic() + 5
+        while core.steps < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        blocked_at = core.steps
+        time.sleep(0.3)
+        assert core.steps == blocked_at and blocked_at < 20, core.steps  # waiting to send
+        to_core.send(msgspec.msgpack.encode(AbortMessage(request_ids=["a"])))
+        # Reading again unblocks the core, which then applies the abort it was sent.
+        from_core.setsockopt(zmq.RCVTIMEO, 5000)
+        decoder = msgspec.msgpack.Decoder(CoreMessage)
+        while not core.aborted:
+            decoder.decode(from_core.recv())
+        assert core.aborted == ["a"]
+        # Blocked again (nobody reads, a new endless request), the parent's death ends it.
+        to_core.send(_add("b", 10**9))
+        time.sleep(0.5)
+        alive.clear()
+        thread.join(5)
+        assert not thread.is_alive(), "the core kept waiting to send to a dead parent"
+    finally:
+        for sock in (to_core, core_in, core_out, from_core):
+            sock.close(linger=0)
+        ctx.term()
