@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -128,6 +128,8 @@ class AsyncLLM:
         )
         self.kv_capacity: KVCapacity | None = None
         """Reported by the core when it is ready."""
+        self.kv_connector: dict[str, Any] | None = None
+        """With a KV connector: how peers reach it (from the core's ready message)."""
         self._slow_reader_aborts = Counter(
             SLOW_READER_ABORTS,
             "Requests aborted because their client read the outputs too slowly.",
@@ -186,6 +188,7 @@ class AsyncLLM:
             if not self._proc.is_alive():
                 raise RuntimeError(f"engine core exited with code {self._proc.exitcode} at start")
         self.kv_capacity = KVCapacity(message.num_kv_blocks, message.block_size)
+        self.kv_connector = message.kv_connector
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-core-outputs")
@@ -245,6 +248,7 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the returned iterator yields its DELTA outputs until `finished`.
@@ -268,7 +272,9 @@ class AsyncLLM:
         validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         if self.tokenizer is None:
             validate_without_tokenizer(params)
-        state = self._add(request_id, prompt_token_ids, params, prompt, priority, cache_salt)
+        state = self._add(
+            request_id, prompt_token_ids, params, prompt, priority, cache_salt, kv_transfer_params
+        )
         return self._stream(request_id, state)
 
     async def _stream(self, request_id: str, state: _RequestState) -> AsyncIterator[RequestOutput]:
@@ -306,6 +312,7 @@ class AsyncLLM:
         prompt: str | None,
         priority: int,
         cache_salt: str | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> _RequestState:
         arrival_time = time.monotonic()
         children = self._processor.add_request(
@@ -324,6 +331,7 @@ class AsyncLLM:
                     arrival_time=arrival_time,
                     priority=priority,
                     cache_salt=cache_salt,
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         return state

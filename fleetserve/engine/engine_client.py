@@ -8,7 +8,7 @@ client (a data-parallel or remote engine) plugs in without touching the server.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.metrics import StatsLogger
@@ -104,6 +104,12 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def kv_connector(self) -> dict[str, Any] | None:
+        """With a KV connector: how peers reach it (engine id, host, port, compatibility hash,
+        connector, role, transfer mode); None for a colocated engine."""
+        ...
+
+    @property
     def num_waiting(self) -> int:
         """Sequences waiting to be scheduled, preempted ones included, plus those sent to the
         core and not yet seen by it (what admission control counts)."""
@@ -136,6 +142,7 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the iterator yields its DELTA outputs until one is `finished`.

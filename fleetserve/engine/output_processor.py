@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleetserve.engine.core.outputs import EngineCoreOutput, LogprobsLists
 from fleetserve.engine.detokenizer import IncrementalDetokenizer
@@ -89,6 +89,8 @@ class _Parent:
     prompt_token_ids: list[int]
     kind: OutputKind
     sequences: dict[str, _Sequence]
+    kv_transfer_params: dict[str, Any] | None = None
+    """The connector's answer for a finished prefill leg."""
     num_cached_tokens: int = 0
     want_prompt_logprobs: bool = False
     prompt_logprobs: PromptLogprobs | None = None
@@ -274,6 +276,8 @@ class OutputProcessor:
     def _fold(self, parent: _Parent, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Fold one core output into its parent; True when a stop string ended `seq`."""
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
         if parent.want_prompt_logprobs and parent.prompt_logprobs is None and seq.index == 0:
             assert self._tokenizer is not None, "logprobs need a tokenizer (refused earlier)"
             parent.prompt_logprobs = prompt_logprobs_entries(out.prompt_logprobs, self._tokenizer)
@@ -337,4 +341,5 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=parent.kv_transfer_params if parent.finished else None,
         )

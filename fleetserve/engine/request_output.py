@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +56,5 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     prompt_logprobs: PromptLogprobs | None = None
     """When the request asked for `prompt_logprobs` (in a stream: the first output only)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill leg's answer (on its finished output): what the decode leg must send."""

@@ -115,6 +115,11 @@ class SamplingRequest(OpenAIModel):
     return_token_ids: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None,
+        description="Disaggregated serving (vLLM's protocol): {'do_remote_decode': true} to a "
+        "prefill engine; its response's kv_transfer_params to a decode engine.",
+    )
     response_format: dict[str, Any] | None = Field(
         None, description="Only {'type': 'text'} until structured output lands."
     )
@@ -287,6 +292,8 @@ class _Response(OpenAIModel):
     created: int = Field(default_factory=now_s)
     model: str
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill leg's answer: what its decode leg must send (vLLM's P/D protocol)."""
 
 
 class CompletionResponse(_Response):

@@ -113,6 +113,7 @@ def create_app(config: ServerConfig, engine_client: EngineClient | None = None) 
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/kv_transfer", _kv_transfer)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
@@ -126,7 +127,11 @@ async def _engine_ctx(
     config = app[CONFIG_KEY]
     engine = engine_client
     if engine is None:
-        metrics = EngineMetrics(app[REGISTRY_KEY], config.served_model_name)
+        metrics = EngineMetrics(
+            app[REGISTRY_KEY],
+            config.served_model_name,
+            kv_transfer=config.engine.kv_transfer is not None,
+        )
         engine = AsyncLLM(
             config.engine,
             metrics=metrics,
@@ -187,6 +192,15 @@ async def _models(request: web.Request) -> web.Response:
         max_model_len=config.engine.model.max_model_len,
     )
     return _json(ModelList(data=[card]).model_dump_json())
+
+
+async def _kv_transfer(request: web.Request) -> web.Response:
+    """How other engines and routers reach this engine's KV connector (a router that sends
+    both legs of a P/D request at once needs the producer's identity before it answers)."""
+    connector = request.app[ENGINE_KEY].kv_connector
+    if connector is None:
+        return error_response(404, "this engine has no KV connector (--kv-transfer-config)")
+    return web.json_response(connector)
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -40,6 +40,7 @@ from fleetserve.engine.engine_client import (
     RequestRejectedError,
     SlowReaderError,
 )
+from fleetserve.engine.kv_transfer.params import KV_TRANSFER_FAILED, parse_kv_transfer_params
 from fleetserve.engine.request_output import (
     CompletionOutput,
     Logprob,
@@ -113,6 +114,8 @@ class PreparedRequest:
     """Responses carry token ids (asked for, or the only output without a tokenizer)."""
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     """Prompt index → its prompt logprobs, filled as outputs arrive (echo with logprobs)."""
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    """The engine's answer to a P/D leg (a producer's), filled when the request finishes."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -236,6 +239,7 @@ class OpenAIServing:
             RequestError: 400 when a prompt is invalid for the model (`validate_prompt`) or a
                 prompt plus `max_tokens` exceeds `max_model_len`.
         """
+        self._check_kv_transfer_params(body, len(prompts), params)
         for ids, _ in prompts:
             # NOTE: what can be checked here is, before admission, so bad input is a 400 and
             # never a 429 (the engine client checks again, with the KV cache's capacity).
@@ -274,6 +278,24 @@ class OpenAIServing:
             client_id,
             return_token_ids=body.return_token_ids or self.tokenizer is None,
         )
+
+    def _check_kv_transfer_params(
+        self, body: SamplingRequest, num_prompts: int, params: SamplingParams
+    ) -> None:
+        """A P/D leg is one prompt, one sequence, with well-formed params (400 otherwise;
+        whether this engine plays the role, and its hash, the core checks)."""
+        if body.kv_transfer_params is None:
+            return
+        try:
+            role = parse_kv_transfer_params(body.kv_transfer_params)
+        except ValueError as exc:
+            raise RequestError(400, str(exc), param="kv_transfer_params") from exc
+        if role is not None and (num_prompts != 1 or params.n != 1):
+            raise RequestError(
+                400,
+                "kv_transfer_params need one prompt and n=1 (a transfer moves one prompt's KV)",
+                param="kv_transfer_params",
+            )
 
     async def respond(
         self, request: web.Request, prepared: PreparedRequest, response_format: ResponseFormat
@@ -319,6 +341,7 @@ class OpenAIServing:
                     prompt=prompt.text,
                     priority=prepared.body.priority,
                     cache_salt=prepared.body.cache_salt,
+                    kv_transfer_params=prepared.body.kv_transfer_params,
                     admit=False,
                 )
             except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
@@ -340,6 +363,8 @@ class OpenAIServing:
                 cached[prompt_index] = output.num_cached_tokens
                 if output.prompt_logprobs is not None:
                     prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
+                if output.kv_transfer_params is not None:
+                    prepared.kv_transfer_params.update(output.kv_transfer_params)
                 for delta in output.outputs:
                     choice = choices[prepared.choice_index(prompt_index, delta.index)]
                     choice.text += delta.text
@@ -381,6 +406,8 @@ class OpenAIServing:
                 cached[prompt_index] = output.num_cached_tokens
                 if output.prompt_logprobs is not None:
                     prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
+                if output.kv_transfer_params is not None:
+                    prepared.kv_transfer_params.update(output.kv_transfer_params)
                 for delta in output.outputs:
                     choice_index = prepared.choice_index(prompt_index, delta.index)
                     # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
@@ -437,6 +464,11 @@ def request_error(
         return RequestError(400, f"the engine refused the request: {exc}")
     if isinstance(exc, ValueError):
         return value_error(exc, default_param)
+    if isinstance(exc, EngineRequestError) and f"{KV_TRANSFER_FAILED}:" in str(exc):
+        # NOTE: the prompt's KV never arrived from its prefill engine: a router may retry the
+        # request elsewhere (another pair, or colocated), so it is a 503 with its own code.
+        logger.warning("%s: %s", log_name, exc)
+        return RequestError(503, str(exc), code=KV_TRANSFER_FAILED, retry_after_s=0)
     if isinstance(exc, EngineRequestError):
         logger.error("%s failed in the engine: %s", log_name, exc)
         return RequestError(500, str(exc))

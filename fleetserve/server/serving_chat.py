@@ -73,6 +73,7 @@ class ChatFormat:
             id=prepared.request_id,
             model=self.model_name,
             usage=usage,
+            kv_transfer_params=prepared.kv_transfer_params or None,
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
@@ -122,7 +123,13 @@ class ChatFormat:
             token_ids=delta.token_ids if prepared.return_token_ids else None,
         )
         return ChatCompletionStreamResponse(
-            id=prepared.request_id, model=self.model_name, choices=[choice], usage=usage
+            id=prepared.request_id,
+            model=self.model_name,
+            choices=[choice],
+            usage=usage,
+            kv_transfer_params=(prepared.kv_transfer_params or None)
+            if delta.finish_reason
+            else None,
         ).model_dump_json()
 
     def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:

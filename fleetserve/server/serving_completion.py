@@ -81,6 +81,7 @@ class CompletionFormat:
             id=prepared.request_id,
             model=self.model_name,
             usage=usage,
+            kv_transfer_params=prepared.kv_transfer_params or None,
             choices=[
                 CompletionResponseChoice(
                     index=i,
@@ -127,7 +128,13 @@ class CompletionFormat:
             token_ids=delta.token_ids if want_ids else None,
         )
         return CompletionStreamResponse(
-            id=prepared.request_id, model=self.model_name, choices=[choice], usage=usage
+            id=prepared.request_id,
+            model=self.model_name,
+            choices=[choice],
+            usage=usage,
+            kv_transfer_params=(prepared.kv_transfer_params or None)
+            if delta.finish_reason
+            else None,
         ).model_dump_json()
 
     def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:

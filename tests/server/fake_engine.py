@@ -50,6 +50,7 @@ class GenerateCall:
     priority: int
     cache_salt: str | None
     admit: bool
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 Script = Callable[[GenerateCall], Sequence[RequestOutput | BaseException]]
@@ -123,6 +124,8 @@ class FakeEngineClient:
     """Sequences that pretend to wait (admission counts them)."""
     kv_capacity: KVCapacity | None = None
     """Validated in `generate` as the real client does (None: unknown, not checked)."""
+    kv_connector: dict[str, Any] | None = None
+    """A colocated engine (no KV connector)."""
     step_delay_s: float = 0.0
     """Pause before each output (0: just yield to the event loop)."""
     calls: list[GenerateCall] = field(default_factory=list)
@@ -162,6 +165,7 @@ class FakeEngineClient:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         if admit:
@@ -170,8 +174,9 @@ class FakeEngineClient:
             raise EngineDeadError("the engine core process is not running")
         validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         call = GenerateCall(
-            request_id, prompt_token_ids, params, prompt, priority, cache_salt, admit
-        )
+            request_id, prompt_token_ids, params, prompt, priority, cache_salt, admit,
+            kv_transfer_params,
+        )  # fmt: skip
         self.calls.append(call)
         self.live.add(request_id)
         script = self.script or self._default_script

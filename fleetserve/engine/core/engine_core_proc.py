@@ -88,10 +88,25 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.close()
         ctx.term()
         raise SystemExit(1) from exc
+    identity = core.connector_identity
+    kv = config.kv_transfer
     ready = ReadyMessage(
         pid=os.getpid(),
         num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_blocks,
         block_size=config.cache.block_size,
+        kv_connector=(
+            None
+            if identity is None or kv is None
+            else {
+                "engine_id": identity.engine_id,
+                "host": identity.host,
+                "port": identity.port,
+                "compatibility_hash": identity.compatibility_hash,
+                "connector": kv.connector,
+                "role": kv.role,
+                "transfer_mode": kv.transfer_mode,
+            }
+        ),
     )
     output_socket.send(encoder.encode(ready))
     try:
@@ -208,6 +223,7 @@ class _EngineLoop:
                     priority=message.priority,
                     cache_salt=message.cache_salt,
                     arrival_time=message.arrival_time,
+                    kv_transfer_params=message.kv_transfer_params,
                 )
             except ValueError as exc:
                 self.rejected[message.request_id] = str(exc)

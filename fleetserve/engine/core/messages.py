@@ -41,6 +41,7 @@ class AddRequestMessage(msgspec.Struct, tag="add"):
     """`time.monotonic()` in the API server (CLOCK_MONOTONIC is shared by the processes)."""
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortMessage(msgspec.Struct, tag="abort"):
@@ -71,6 +72,8 @@ class ReadyMessage(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     """KV blocks, the null block 0 included (`num_kv_blocks - 1` hold tokens)."""
     block_size: int
+    kv_connector: dict[str, Any] | None = None
+    """With a KV connector: how peers reach it (engine id, host, port, hash, role, mode)."""
 
 
 class FailedMessage(msgspec.Struct, tag="failed"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fleetserve.engine.kv_transfer.params import KV_TRANSFER_FAILED
 from fleetserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class RemoteKV:
         if failure is not None:
             self.num_failed_loads += 1
             if self.policy == "fail":
-                return LoadOutcome(request, f"kv_transfer_failed: {failure}")
+                return LoadOutcome(request, f"{KV_TRANSFER_FAILED}: {failure}")
             loaded = self._valid_loaded_tokens(parked, invalid_block_ids)
             num_loaded_blocks = -(-(parked.num_local + parked.num_external) // self.block_size)
             num_valid_blocks = (parked.num_local + loaded) // self.block_size
