@@ -28,7 +28,8 @@ def resolved_dtype(dtype: str, role: Role) -> str:
 
 
 def _hash(spec: InferenceDeploymentSpec, role: Role) -> str:
-    """16 hex chars over model source, resolved dtype, block size, KV layout, connector, engine.
+    """16 hex chars over model source, resolved dtype, block size, KV layout, connector, transfer
+    mode, engine.
 
     Parallel sizes are excluded: the connector reshapes KV between TP sizes.
     """
@@ -39,6 +40,7 @@ def _hash(spec: InferenceDeploymentSpec, role: Role) -> str:
         "kv_layout": "paged-v1",
         "connector": spec.kv_transfer.connector,
         "protocol": spec.kv_transfer.protocol,
+        "transfer_mode": spec.kv_transfer.transfer_mode,
         "engine": spec.engine.version,
         "image": spec.engine.image,
     }

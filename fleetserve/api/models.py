@@ -88,10 +88,40 @@ class EngineSpec(_Model):
 
 
 class KVTransfer(_Model):
+    """How prefill pods hand their KV cache to decode pods (rendered into both roles' flags)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            # NOTE: has(): the CRD validates its own default `{}` before any field default.
+            "!has(self.protocol) || self.protocol != 'rdma' ||"
+            " (has(self.connector) && self.connector == 'mooncake')",
+            "protocol rdma needs the mooncake connector (tcp runs over TCP only)",
+        )
+    )
+
     connector: Literal["tcp", "mooncake", "none"] = "tcp"
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    lease_seconds: int = Field(default=30, ge=1)
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp", description="the mooncake connector's transport (rdma needs the NICs)"
+    )
+    transfer_mode: Literal["pull", "push"] = Field(
+        default="pull",
+        description="pull: decode reads the blocks; push: prefill writes them layer by layer",
+    )
+    lease_seconds: int = Field(
+        default=30, ge=1, description="how long prefill keeps a prompt's blocks for decode"
+    )
+    load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="fail",
+        description="fail: end the request with kv_transfer_failed; recompute: redo lost tokens",
+    )
+    num_threads: int = Field(
+        default=4, ge=1, le=64, description="cap on transfer threads and lanes per pod"
+    )
+    rdma_resource: str = Field(
+        default="rdma/hca",
+        min_length=1,
+        description="extended resource of the RDMA device plugin, requested when protocol is rdma",
+    )
 
 
 class Parallelism(_Model):
@@ -261,6 +291,10 @@ class InferenceDeploymentSpec(_Model):
             self.kv_transfer.connector != "none"
         ):
             raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
+        if self.kv_transfer.protocol == "rdma" and self.kv_transfer.connector != "mooncake":
+            raise ValueError(
+                "kvTransfer.protocol rdma needs the mooncake connector (tcp runs over TCP only)"
+            )
         return self
 
 

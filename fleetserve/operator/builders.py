@@ -76,12 +76,34 @@ def router_name(deployment: str) -> str:
     return f"{deployment}-router"
 
 
+def _transfers(spec: InferenceDeploymentSpec) -> bool:
+    """The engine pods move KV between roles (prefill/decode with a connector)."""
+    return spec.kv_transfer.connector != "none"
+
+
 def _resources(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
     req = {"cpu": spec.engine.cpu, "memory": spec.engine.memory}
     lim = {"memory": spec.engine.memory}
     if role.gpus_per_pod:
         req["nvidia.com/gpu"] = lim["nvidia.com/gpu"] = str(role.gpus_per_pod)
+    if _transfers(spec) and spec.kv_transfer.protocol == "rdma":
+        # NOTE: one device of the RDMA plugin's pool per pod; the transport spreads its lanes
+        # over the ports that device exposes.
+        req[spec.kv_transfer.rdma_resource] = lim[spec.kv_transfer.rdma_resource] = "1"
     return {"requests": req, "limits": lim}
+
+
+def _transfer_pod_parts(spec: InferenceDeploymentSpec, pod_spec: dict[str, Any]) -> None:
+    """What KV transfer needs from the pod (seed part 3 §2.9): `IPC_LOCK`, so the transport can
+    pin the registered KV memory, and a memory-backed `/dev/shm` as large as the pod's memory,
+    where the tcp connector keeps its KV arena for the same-host path (the default 64 MiB of a
+    container runtime holds no KV cache)."""
+    container = pod_spec["containers"][0]
+    container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
+    pod_spec.setdefault("volumes", []).append(
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.memory}}
+    )
 
 
 def _model_volume(uri: str) -> dict[str, Any] | None:
@@ -140,6 +162,8 @@ def build_group_statefulset(
     if model_volume is not None:
         pod_spec["volumes"] = [model_volume]
         container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+    if _transfers(spec):
+        _transfer_pod_parts(spec, pod_spec)
     pod_labels = {
         LABEL_DEPLOYMENT: owner.name,
         **labels,

@@ -33,6 +33,11 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
 )
 
 
+_CLUSTER_RESOURCES: Mapping[str, str] = MappingProxyType(
+    {"Namespace": "/api/v1/namespaces", "Node": "/api/v1/nodes"}
+)
+
+
 def resource_path(kind: str, namespace: str, name: str | None = None) -> str:
     """URL path of a namespaced object (or its collection when `name` is None).
 
@@ -82,6 +87,26 @@ class Kube:
             ApiException.from_response(http_resp=resp, body=None, data=None)
         data = resp.data
         return json.loads(data) if data else {}
+
+    def get_cluster(self, kind: str, name: str) -> dict[str, Any] | None:
+        """A cluster-scoped object (Namespace, Node), None when missing.
+
+        Raises:
+            ValueError: an unknown cluster-scoped kind.
+        """
+        return self._call("GET", f"{self._cluster_path(kind)}/{quote(name)}")
+
+    def list_cluster(self, kind: str) -> list[dict[str, Any]]:
+        """Every object of a cluster-scoped kind."""
+        result = self._call("GET", self._cluster_path(kind))
+        assert result is not None, f"list {kind} returned nothing"
+        return list(result.get("items", []))
+
+    @staticmethod
+    def _cluster_path(kind: str) -> str:
+        if kind not in _CLUSTER_RESOURCES:
+            raise ValueError(f"kind must be one of {sorted(_CLUSTER_RESOURCES)}, got {kind!r}")
+        return _CLUSTER_RESOURCES[kind]
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self._call("GET", resource_path(kind, namespace, name))

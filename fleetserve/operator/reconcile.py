@@ -12,9 +12,10 @@ propagate to the caller, which retries (`fleetserve.operator.handlers`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
@@ -36,6 +37,7 @@ from fleetserve.operator.status import (
     group_state,
     router_state,
 )
+from fleetserve.operator.transfer_checks import ClusterFacts, cluster_facts, transfer_warnings
 
 __all__ = [
     "CHILD_KINDS",
@@ -49,6 +51,8 @@ __all__ = [
 ]
 
 CHILD_KINDS = ("Service", "StatefulSet", "Deployment")
+
+_T = TypeVar("_T")
 
 MIN_RUN_BEFORE_GROUP_RESTART_S = 30.0
 """A container that dies sooner after its pod was created is crash-looping at start-up: its
@@ -231,6 +235,7 @@ def _converge(
             result.events.append(("Normal", "ScaledDown", f"deleted {key[0]} {key[1]}"))
 
     previous = body.get("status") or {}
+    warnings = transfer_warnings(spec, _cluster_facts(kube, spec, owner.namespace))
     status = compute_status(
         spec,
         int(body["metadata"].get("generation", 1)),
@@ -242,11 +247,50 @@ def _converge(
         compat_hash=compatibility_hash(spec),
         previous=previous,
         now=now,
+        transfer_warnings=warnings,
     )
     written = _write_status(kube, body, status, result, drop_other_roles=True)
     if written and status["phase"] != previous.get("phase"):
         result.events.append(("Normal", "Phase", f"phase {status['phase']}"))
+    if (
+        written
+        and warnings
+        and _condition(status, "TransferReady") != _condition(previous, "TransferReady")
+    ):
+        result.events.append(("Warning", "TransferRequirementsUnmet", "; ".join(warnings)))
     return result
+
+
+def _condition(status: dict[str, Any], kind: str) -> tuple[str, str] | None:
+    """(status, message) of one condition, None when absent."""
+    for c in status.get("conditions") or []:
+        if c.get("type") == kind:
+            return c.get("status", ""), c.get("message", "")
+    return None
+
+
+def _cluster_facts(kube: Kube, spec: InferenceDeploymentSpec, namespace: str) -> ClusterFacts:
+    """Read what `transfer_warnings` checks: the namespace, and the nodes only for rdma (a list
+    of every node is not worth its cost otherwise). A read the operator may not make (an older
+    install's RBAC) leaves that fact unknown rather than failing the pass."""
+    if spec.kv_transfer.connector == "none":
+        return ClusterFacts()
+    ns = _readable(lambda: kube.get_cluster("Namespace", namespace))
+    nodes = (
+        _readable(lambda: kube.list_cluster("Node"))
+        if spec.kv_transfer.protocol == "rdma"
+        else None
+    )
+    return cluster_facts(ns, nodes)
+
+
+def _readable(read: Callable[[], _T]) -> _T | None:
+    try:
+        return read()
+    except ApiException as exc:
+        if exc.status in (401, 403):
+            return None
+        raise
 
 
 def _group_selector(labels: dict[str, str]) -> str:

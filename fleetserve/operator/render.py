@@ -1,8 +1,8 @@
 """Engine command line and env of one role, from the typed topology (pure).
 
 Flags carry the names of the engine's single argument definition (`fleetserve serve`); env
-variables are only those `fleetserve.envs.Env` declares, named with `env_name()`, so everything
-rendered here is read by the engine.
+variables are those `fleetserve.envs.Env` declares, named with `env_name()`, plus Mooncake's own
+`MC_*` knobs (`transfer_env`), so everything rendered here is read by the engine or its transport.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = [
     "engine_env",
     "kv_transfer_config",
     "model_path",
+    "transfer_env",
 ]
 
 ENGINE_PORT = 8000
@@ -68,8 +69,9 @@ def model_path(uri: str) -> str:
 def kv_transfer_config(spec: InferenceDeploymentSpec, role_name: str) -> dict[str, Any] | None:
     """The `--kv-transfer-config` JSON object of a role (None without a connector).
 
-    Keys are the api's `KVTransfer` field names in snake_case, plus the connector role: prefill
-    produces KV, decode consumes it.
+    Keys are the engine's `KVTransferConfig` fields: the api's `KVTransfer` fields in snake_case
+    (less `rdma_resource`, which is the pod's, not the engine's), the connector role (prefill
+    produces KV, decode consumes it) and the address peers reach the connector at: the pod IP.
     """
     kv = spec.kv_transfer
     if kv.connector == "none":
@@ -78,9 +80,30 @@ def kv_transfer_config(spec: InferenceDeploymentSpec, role_name: str) -> dict[st
         "connector": kv.connector,
         "role": "producer" if role_name == "prefill" else "consumer",
         "protocol": kv.protocol,
+        "transfer_mode": kv.transfer_mode,
         "lease_seconds": kv.lease_seconds,
         "load_failure_policy": kv.load_failure_policy,
+        "num_threads": kv.num_threads,
+        "host": f"$({env_name('pod_ip')})",
     }
+
+
+def transfer_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """Communication env of the KV transport, the same on every pod of every role.
+
+    A role argument is deliberately absent: both peers of a pair must agree on these (seed part 2
+    §2.8). Mooncake reads its `MC_*` variables once, as its extension loads, so they are set on
+    the container rather than by the engine: bind its TCP transport to the pod IP (pods on the
+    dev cluster's local node share the host network, each with its own loopback address) and cap
+    its worker threads per context at `numThreads`.
+    """
+    kv = spec.kv_transfer
+    if kv.connector != "mooncake":
+        return []
+    return [
+        {"name": "MC_TCP_BIND_ADDRESS", "value": f"$({env_name('pod_ip')})"},
+        {"name": "MC_WORKERS_PER_CTX", "value": str(kv.num_threads)},
+    ]
 
 
 def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> list[str]:
@@ -142,7 +165,7 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
 
 
 def engine_env(spec: InferenceDeploymentSpec, role: Role, leader: str) -> list[dict[str, Any]]:
-    """Env of every pod in a group, then the user's `engine.env`.
+    """Env of every pod in a group (the transport's last), then the user's `engine.env`.
 
     The pod's rank is its StatefulSet pod index (pod 0 leads); the world size counts every rank
     of the group (tensor × pipeline × data).
@@ -155,5 +178,6 @@ def engine_env(spec: InferenceDeploymentSpec, role: Role, leader: str) -> list[d
         },
         {"name": env_name("world_size"), "value": str(role.world_size)},
         {"name": env_name("leader_address"), "value": leader},
+        *transfer_env(spec),
     ]
     return env + [{"name": k, "value": v} for k, v in sorted(spec.engine.env.items())]

@@ -117,6 +117,7 @@ def compute_status(
     compat_hash: str,
     previous: dict[str, Any],
     now: str,
+    transfer_warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The status object (camelCase) for the CR's status subresource.
 
@@ -126,6 +127,9 @@ def compute_status(
         router: the live router Deployment's state.
         role_hashes: role → the KV compatibility hash its pods carry.
         previous: the current `.status` (for condition transition times and Degraded).
+        transfer_warnings: what KV transfer needs and cannot get
+            (`fleetserve.operator.transfer_checks`); with a connector, the `TransferReady`
+            condition is False listing them, True when there are none.
     """
     roles: dict[str, RoleStatus] = {}
     all_ready = True
@@ -178,6 +182,8 @@ def compute_status(
             message=message if degraded else "",
         ),
     ]
+    if spec.kv_transfer.connector != "none":
+        conditions.append(_transfer_condition(transfer_warnings))
     status = InferenceDeploymentStatus(
         observed_generation=generation,
         phase="Ready" if all_ready else "Degraded" if degraded else "Progressing",
@@ -188,6 +194,22 @@ def compute_status(
         compatibility_hash=compat_hash,
     )
     return _dump(status)
+
+
+def _transfer_condition(warnings: Sequence[str]) -> Condition:
+    if warnings:
+        return Condition(
+            type="TransferReady",
+            status="False",
+            reason="TransferRequirementsUnmet",
+            message="; ".join(warnings),
+        )
+    return Condition(
+        type="TransferReady",
+        status="True",
+        reason="AsExpected",
+        message="the cluster meets what KV transfer needs",
+    )
 
 
 def failed_status(

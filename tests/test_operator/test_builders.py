@@ -91,7 +91,9 @@ def test_dense_pd_children() -> None:
         "--tensor-parallel-size",
         "4",
         "--kv-transfer-config",
-        '{"connector":"tcp","lease_seconds":30,"load_failure_policy":"recompute","protocol":"tcp","role":"consumer"}',
+        '{"connector":"tcp","host":"$(FLEETSERVE_POD_IP)","lease_seconds":30,'
+        '"load_failure_policy":"fail","num_threads":4,"protocol":"tcp","role":"consumer",'
+        '"transfer_mode":"pull"}',
     ]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert [e["name"] for e in c["env"]] == ENV_NAMES
@@ -99,10 +101,15 @@ def test_dense_pd_children() -> None:
     assert env["FLEETSERVE_WORLD_SIZE"] == "4"
     assert env["FLEETSERVE_RANK"] == POD_INDEX
     assert env["FLEETSERVE_LEADER_ADDRESS"] == "d-decode-0-0.d-decode-0.ns.svc"
-    assert c["volumeMounts"] == [{"name": "model", "mountPath": "/model", "readOnly": True}]
-    assert pod["spec"]["volumes"] == [
-        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    assert c["volumeMounts"] == [
+        {"name": "model", "mountPath": "/model", "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    assert pod["spec"]["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+    ]
+    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     prefill_args = _container(children[1])["args"]
     assert (
         json.loads(prefill_args[prefill_args.index("--kv-transfer-config") + 1])["role"]
@@ -208,7 +215,14 @@ def test_eplb_flags_only_with_eplb() -> None:
 def test_kv_transfer_config_keys_are_the_api_field_names() -> None:
     args = _container(_engines(_sample("dense-pd.yaml"))[0])["args"]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert set(kv) == set(KVTransfer.model_fields) | {"role"}
+    # rdma_resource is the pod's (a resource request), role and host the engine's place.
+    assert set(kv) == set(KVTransfer.model_fields) - {"rdma_resource"} | {"role", "host"}
+    # ...and every key is one the engine's config has.
+    from dataclasses import fields
+
+    from fleetserve.engine.config import KVTransferConfig
+
+    assert set(kv) <= {f.name for f in fields(KVTransferConfig)}
 
 
 def _maximal_spec() -> InferenceDeploymentSpec:
@@ -237,21 +251,24 @@ def test_engine_flags_lists_every_rendered_flag() -> None:
             assert rendered - user <= set(ENGINE_FLAGS), sample
 
 
-def test_cpu_sample_runs_two_unified_engines_on_the_local_node() -> None:
+def test_cpu_sample_runs_a_prefill_and_a_decode_engine_on_the_local_node() -> None:
     spec = _sample("cpu-smollm2.yaml")
     children = build_children(spec, OWNER)
     engines = [c for c in children if c["kind"] == "StatefulSet"]
-    assert [s["metadata"]["name"] for s in engines] == ["d-unified-0", "d-unified-1"]
+    assert [s["metadata"]["name"] for s in engines] == ["d-prefill-0", "d-decode-0"]
     router = next(c for c in children if c["kind"] == "Deployment")
     assert router["spec"]["replicas"] == 0
-    for sts in engines:
+    for sts, role in zip(engines, ("producer", "consumer"), strict=True):
         pod = sts["spec"]["template"]["spec"]
         c = pod["containers"][0]
         assert "nvidia.com/gpu" not in c["resources"]["requests"]
         assert pod["nodeSelector"] == {"fleetserve.io/local-node": "true"}
-        assert "volumes" not in pod and "volumeMounts" not in c
+        assert pod["volumes"] == [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+        ]
         assert c["command"] == ["python", "-m", "fleetserve"]
-        assert c["args"] == [
+        kv = c["args"].index("--kv-transfer-config")
+        assert c["args"][:kv] == [
             "serve",
             "/root/.cache/fleetserve/models/SmolLM2-135M-Instruct",
             "--served-model-name",
@@ -266,11 +283,9 @@ def test_cpu_sample_runs_two_unified_engines_on_the_local_node() -> None:
             "8000",
             "--max-model-len",
             "2048",
-            "--device",
-            "cpu",
-            "--num-kv-blocks",
-            "256",
         ]
+        assert json.loads(c["args"][kv + 1])["role"] == role
+        assert c["args"][kv + 2 :] == ["--device", "cpu", "--num-kv-blocks", "256"]
 
 
 def _router_parser() -> argparse.ArgumentParser:
@@ -353,3 +368,87 @@ def test_labels_and_annotations_are_the_api_constants(sample: str) -> None:
             labels.LABEL_GROUP,
             labels.LABEL_COMPAT,
         }
+
+
+def _kv_config(sts: dict[str, Any]) -> dict[str, Any]:
+    args = _container(sts)["args"]
+    config: dict[str, Any] = json.loads(args[args.index("--kv-transfer-config") + 1])
+    return config
+
+
+def test_transfer_settings_reach_both_roles_and_the_engine_accepts_them() -> None:
+    """Every `kvTransfer` field lands in both roles' connector config (the role aside), and the
+    engine's own parser takes the rendered JSON once the pod IP is substituted."""
+    from fleetserve.engine.config import KVTransferConfig
+
+    spec = _spec(
+        kvTransfer={
+            "connector": "mooncake",
+            "transferMode": "push",
+            "leaseSeconds": 12,
+            "loadFailurePolicy": "recompute",
+            "numThreads": 2,
+        }
+    )
+    prefill, decode = (_kv_config(s) for s in _engines(spec))
+    assert prefill.pop("role") == "producer" and decode.pop("role") == "consumer"
+    assert (
+        prefill
+        == decode
+        == {
+            "connector": "mooncake",
+            "protocol": "tcp",
+            "transfer_mode": "push",
+            "lease_seconds": 12,
+            "load_failure_policy": "recompute",
+            "num_threads": 2,
+            "host": "$(FLEETSERVE_POD_IP)",
+        }
+    )
+    parsed = KVTransferConfig.from_dict({**decode, "role": "consumer", "host": "10.0.0.7"})
+    assert (parsed.transfer_mode, parsed.num_threads, parsed.lease_seconds) == ("push", 2, 12)
+
+
+def test_communication_env_is_the_same_on_every_peer() -> None:
+    spec = _spec(kvTransfer={"connector": "mooncake", "numThreads": 3})
+    prefill, decode = (_container(s)["env"] for s in _engines(spec))
+    mc = [[e for e in env if e["name"].startswith("MC_")] for env in (prefill, decode)]
+    assert (
+        mc[0]
+        == mc[1]
+        == [
+            {"name": "MC_TCP_BIND_ADDRESS", "value": "$(FLEETSERVE_POD_IP)"},
+            {"name": "MC_WORKERS_PER_CTX", "value": "3"},
+        ]
+    )
+    # The variable it expands is defined before it (Kubernetes expands only earlier ones).
+    names = [e["name"] for e in prefill]
+    assert names.index("FLEETSERVE_POD_IP") < names.index("MC_TCP_BIND_ADDRESS")
+    tcp = _spec(kvTransfer={"connector": "tcp"})
+    for sts in _engines(tcp):
+        assert [e["name"] for e in _container(sts)["env"]] == ENV_NAMES
+
+
+def test_rdma_requests_the_device_resource_and_needs_mooncake() -> None:
+    spec = _spec(kvTransfer={"connector": "mooncake", "protocol": "rdma", "rdmaResource": "x/hca"})
+    for sts in _engines(spec):
+        res = _container(sts)["resources"]
+        assert res["requests"]["x/hca"] == res["limits"]["x/hca"] == "1"
+    for sts in _engines(_spec(kvTransfer={"connector": "mooncake"})):
+        assert not any("hca" in k for k in _container(sts)["resources"]["limits"])
+    with pytest.raises(ValueError, match="protocol rdma needs the mooncake connector"):
+        _spec(kvTransfer={"connector": "tcp", "protocol": "rdma"})
+
+
+def test_unified_pods_get_no_transfer_parts() -> None:
+    spec = _spec(kvTransfer={"connector": "none"}, roles={"unified": {}})
+    for sts in _engines(spec):
+        c = _container(sts)
+        assert "securityContext" not in c
+        assert "dshm" not in json.dumps(sts)
+
+
+def test_transfer_mode_is_in_the_compatibility_hash() -> None:
+    pull = compatibility_hash(_spec(kvTransfer={"transferMode": "pull"}))
+    push = compatibility_hash(_spec(kvTransfer={"transferMode": "push"}))
+    assert pull != push

@@ -63,6 +63,7 @@ def _children(env: OperatorEnv, ns: str, name: str) -> set[tuple[str, str]]:
         ({"prefill": {}, "decode": {"parallelism": {"expert": True}}}, "need a MoE model"),
         ("autoscaling", "autoscaling min must be <= max"),
         ("connector", 'Unsupported value: "foo"'),
+        ("rdma", "protocol rdma needs the mooncake connector"),
     ],
 )
 def test_invalid_specs_rejected_at_admission(
@@ -76,6 +77,8 @@ def test_invalid_specs_rejected_at_admission(
         body["autoscaling"] = {"enabled": True, "decode": {"min": 3, "max": 1}}
     elif spec == "connector":
         body["kvTransfer"] = {"connector": "foo"}
+    elif spec == "rdma":
+        body["kvTransfer"] = {"connector": "tcp", "protocol": "rdma"}
     else:
         body["roles"] = spec
     doc = {
@@ -141,6 +144,14 @@ def test_sample_renders_children_and_becomes_ready(operator_env: OperatorEnv, sa
                 st["roles"][labels["fleetserve.io/role"]]["compatibilityHash"]
                 == (st["compatibilityHash"])
             )
+        conditions = {c["type"]: c for c in st["conditions"]}
+        assert conditions["TransferReady"]["status"] == "True", conditions["TransferReady"]
+        for pod in pods:
+            c = pod["spec"]["containers"][0]
+            assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in [
+                {k: m[k] for k in ("name", "mountPath")} for m in c["volumeMounts"]
+            ]
         table = env.kubectl("get", "infd", "-n", ns, name).stdout
         assert "Ready" in table.splitlines()[1] and "True" in table.splitlines()[1], table
     finally:
@@ -347,6 +358,56 @@ def test_switching_roles_replaces_their_groups_and_status(operator_env: Operator
                 == {"switch-unified-0", "switch-unified-1"}
             ),
         )
+    finally:
+        env.delete_namespace(ns)
+
+
+def test_transfer_requirements_the_cluster_cannot_meet_are_reported(
+    operator_env: OperatorEnv,
+) -> None:
+    """An rdma fleet in a Pod Security 'baseline' namespace of a cluster without RDMA devices:
+    the status says both, a Warning event too, and the pods are indeed rejected."""
+    env = operator_env
+    ns = env.new_namespace("transfer-checks")
+    try:
+        env.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=baseline")
+        doc = {
+            "apiVersion": "fleetserve.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "rdma"},
+            "spec": {
+                "model": {"name": "m", "source": {"uri": "/m"}, "dtype": "bfloat16"},
+                "kvTransfer": {"connector": "mooncake", "protocol": "rdma", "numThreads": 2},
+                "roles": {"prefill": {}, "decode": {}},
+            },
+        }
+        env.apply(ns, doc)
+
+        def transfer_condition() -> dict[str, Any] | None:
+            for c in _status(env, ns, "rdma").get("conditions", []):
+                if c["type"] == "TransferReady":
+                    return dict(c)
+            return None
+
+        poll("TransferReady reported", lambda: transfer_condition() is not None)
+        cond = transfer_condition()
+        assert cond is not None and cond["status"] == "False", cond
+        assert cond["reason"] == "TransferRequirementsUnmet"
+        assert "Pod Security 'baseline'" in cond["message"] and "IPC_LOCK" in cond["message"]
+        assert "'rdma/hca'" in cond["message"]
+
+        def events(reason: str) -> list[dict[str, Any]]:
+            items = (env.get("events", ns) or {"items": []})["items"]
+            return [e for e in items if e.get("reason") == reason]
+
+        poll("Warning event", lambda: events("TransferRequirementsUnmet"))
+        assert events("TransferRequirementsUnmet")[0]["type"] == "Warning"
+        # What the warning predicted: admission rejects the engine pods.
+        poll("pods rejected", lambda: events("FailedCreate"), timeout_s=30)
+        assert any("IPC_LOCK" in e["message"] for e in events("FailedCreate"))
+        sts = env.get("statefulset", ns, "rdma-decode-0")
+        limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["rdma/hca"] == "1"
     finally:
         env.delete_namespace(ns)
 

@@ -32,6 +32,7 @@ def _status(
     groups: dict[str, dict[int, GroupState]],
     previous: dict | None = None,
     router: RouterState = ROUTER_READY,
+    transfer_warnings: tuple[str, ...] = (),
 ) -> dict:
     return compute_status(
         SPEC,
@@ -44,6 +45,7 @@ def _status(
         compat_hash="h",
         previous=previous or {},
         now="T1",
+        transfer_warnings=transfer_warnings,
     )
 
 
@@ -133,6 +135,7 @@ def test_ready_only_when_every_group_of_every_role_is_ready() -> None:
         ("Ready", "False"),
         ("Progressing", "True"),
         ("Degraded", "False"),
+        ("TransferReady", "True"),
     ]
     assert st["roles"]["decode"] == {
         "replicas": 1,
@@ -215,3 +218,16 @@ def test_is_subset_ignores_server_defaults() -> None:
     assert is_subset({"a": [{"b": 1}]}, {"a": [{"b": 1, "c": 2}], "d": 3})
     assert not is_subset({"a": [{"b": 1}]}, {"a": [{"b": 1}, {"b": 2}]})
     assert not is_subset({"a": "1"}, {"a": 1})
+
+
+def test_transfer_warnings_make_transfer_ready_false_without_blocking_ready() -> None:
+    groups = {
+        "prefill": {0: GroupState(True, "a"), 1: GroupState(True, "b")},
+        "decode": {0: GroupState(True, "c")},
+    }
+    st = _status(groups, transfer_warnings=("one", "two"))
+    _assert_written_through_the_model(st)
+    assert st["phase"] == "Ready"
+    transfer = next(c for c in st["conditions"] if c["type"] == "TransferReady")
+    assert transfer["status"] == "False" and transfer["message"] == "one; two"
+    assert transfer["reason"] == "TransferRequirementsUnmet"
