@@ -38,6 +38,12 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_pd_handover(args: argparse.Namespace) -> int:
+    from fleetserve.bench.pd_handover import run
+
+    return run(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from fleetserve.bench.serve import run_from_args
 
@@ -82,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_decode_arguments(decode)
     decode.set_defaults(func=_cmd_bench_decode)
+
+    from fleetserve.bench.pd_handover import add_arguments as add_handover_arguments
+
+    handover = bench_sub.add_parser(
+        "pd-handover", help="TTFT of a prefill/decode pair vs one engine, transfer split out"
+    )
+    add_handover_arguments(handover)
+    handover.set_defaults(func=_cmd_bench_pd_handover)
 
     from fleetserve.server.cli import register as register_serve
 
