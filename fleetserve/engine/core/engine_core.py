@@ -13,7 +13,6 @@ executor class comes from the parallel topology (`Executor.get_class(config.para
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -166,8 +165,9 @@ class EngineCore:
             return self.scheduler.recover_from_failed_step(scheduler_output, error)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.is_empty and transfers_pending and not outputs:
-            # NOTE: only transfers in flight: poll them at about 1 kHz instead of spinning.
-            time.sleep(_TRANSFER_POLL_S)
+            # NOTE: only transfers in flight: wait for one to advance (at most 1 ms, so that
+            # new requests and leases are still served) instead of spinning.
+            self.executor.collective_rpc("wait_for_kv_progress", _TRANSFER_POLL_S)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

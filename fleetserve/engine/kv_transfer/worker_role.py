@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -84,6 +84,8 @@ from fleetserve.engine.layers.attention.metadata import AttentionMetadata
 __all__ = ["P2PConnectorWorker", "new_engine_id"]
 
 logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 _STAGES = {
     FailureStage.CONNECT: TransferStage.HANDSHAKE,
@@ -185,6 +187,9 @@ class P2PConnectorWorker:
         self.ledger = FailureLedger()
         self.client = ControlClient(timeout_s=config.handshake_timeout_s)
         self._io = ThreadPoolExecutor(config.num_threads, thread_name_prefix="kv-io")
+        self._progress = threading.Event()
+        """Set when something a step would act on arrived (an io job ended, a control message
+        came); `wait_for_progress` sleeps on it between steps that only poll."""
         self._addresses: dict[str, tuple[str, int]] = {}
         self.peers: PeerRegistry[_Peer] = PeerRegistry(self._handshake, clock=clock)
         self._step_saves: list[SaveSpec] = []
@@ -233,6 +238,12 @@ class P2PConnectorWorker:
     # -- control channel (its own thread) -----------------------------------------------------
 
     def _on_control(self, message: ControlMessage) -> ControlMessage | None:
+        try:
+            return self._answer(message)
+        finally:
+            self._progress.set()
+
+    def _answer(self, message: ControlMessage) -> ControlMessage | None:
         now = self.clock()
         if isinstance(message, Handshake):
             self.stats.handshakes_served += 1
@@ -285,6 +296,26 @@ class P2PConnectorWorker:
             self._gone.pop(next(iter(self._gone)))
 
     # -- step ----------------------------------------------------------------------------------
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Between steps that only poll transfers: return as soon as one may advance (a pull
+        landed, an io job or a control message arrived), or after `timeout_s`."""
+        moving = next(
+            (load.handle for load in self._loads.values() if load.state == "moving"), None
+        )
+        if moving is not None:
+            moving.wait(timeout_s)
+        elif self._progress.wait(timeout_s):
+            # NOTE: a set() between wait and clear is lost: it costs at most one timeout.
+            self._progress.clear()
+
+    def _wake(self, _: object = None) -> None:
+        self._progress.set()
+
+    def _submit(self, fn: Callable[..., _R], *args: Any) -> Future[_R]:
+        future = self._io.submit(fn, *args)
+        future.add_done_callback(self._wake)
+        return future
 
     def start_step(self, meta: P2PMetadata | None) -> None:
         """Act on the scheduler role's metadata (before the forward pass)."""
@@ -423,11 +454,19 @@ class P2PConnectorWorker:
 
     def _advance_loads(self, now: float, output: KVConnectorOutput) -> None:
         for load in list(self._loads.values()):
-            try:
-                self._advance(load, output)
-            except Exception as exc:  # a transport refusing the request at once, etc.
-                stage = TransferStage.HANDSHAKE if load.peer is None else TransferStage.RECEIVE
-                self.ledger.report(load.spec.request_id, stage, f"{type(exc).__name__}: {exc}")
+            # NOTE: take every transition whose result is already there in this step (a cached
+            # handshake, a finished transfer): each step a load waits costs the whole hand-off
+            # a poll interval. A report to the ledger leaves the state as it is, ending the loop.
+            while True:
+                state = load.state
+                try:
+                    self._advance(load, output)
+                except Exception as exc:  # a transport refusing the request at once, etc.
+                    stage = TransferStage.HANDSHAKE if load.peer is None else TransferStage.RECEIVE
+                    self.ledger.report(load.spec.request_id, stage, f"{type(exc).__name__}: {exc}")
+                    break
+                if load.state == state or load.spec.request_id not in self._loads:
+                    break
 
     def _advance(self, load: _Load, output: KVConnectorOutput) -> None:
         spec, key = load.spec, load.spec.params.remote_request_id
@@ -437,6 +476,7 @@ class P2PConnectorWorker:
             # later request retries), and asking again would start a new one for this load.
             if load.job is None:
                 load.job = self.peers.connect(spec.params.remote_engine_id)
+                load.job.add_done_callback(self._wake)
             future = load.job
             if not future.done():
                 return
@@ -449,7 +489,7 @@ class P2PConnectorWorker:
                 self._request_push(load)
                 load.state = "awaiting_push"
             else:
-                load.job = self._io.submit(self._lease_is_held, load.peer, key, Heartbeat)
+                load.job = self._submit(self._lease_is_held, load.peer, key, Heartbeat)
                 load.state = "checking"
         elif load.state == "checking":
             if load.job is None or not load.job.done():
@@ -485,7 +525,7 @@ class P2PConnectorWorker:
                 return
             self.peers.end_transfer(load.peer.engine_id)
             self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
-            load.job = self._io.submit(self._lease_is_held, load.peer, key, Done)
+            load.job = self._submit(self._lease_is_held, load.peer, key, Done)
             load.state = "verifying"
         elif load.state == "verifying":
             if load.job is None or not load.job.done():
@@ -531,14 +571,15 @@ class P2PConnectorWorker:
 
         NOTE: a producer grants the lease in the step after the prompt finished, and its
         response may reach us first; so before a pull a key it has never heard of is asked
-        again (every 20 ms, up to the transfer timeout). A key it released (lease expired)
-        fails at once. After the pull a key must be known: the lease held throughout, or the
+        again (after 1 ms, doubling to 20 ms, up to the transfer timeout). A key it released
+        (lease expired) fails at once. After the pull a key must be known: the lease held throughout, or the
         bytes are suspect.
 
         Raises:
             LookupError: the producer released the transfer (the message says why).
         """
         deadline = time.monotonic() + self.config.transfer_timeout_s
+        pause = 0.001
         while True:
             reply = self.client.request(peer.host, peer.port, kind(keys=[key]))
             if isinstance(reply, _Reply) and key in reply.known:
@@ -548,7 +589,8 @@ class P2PConnectorWorker:
                                   f"{reply.gone[key]}")  # fmt: skip
             if kind is Done or time.monotonic() >= deadline:
                 return False
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
 
     def _copies(self, load: _Load) -> list[BlockCopy]:
         spec = load.spec

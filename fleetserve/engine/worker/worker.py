@@ -176,6 +176,14 @@ class Worker:
         """The connector's counters (and the transfer observations since the last call)."""
         return None if self.kv_connector is None else self.kv_connector.stats.take()
 
+    def wait_for_kv_progress(self, timeout_s: float) -> None:
+        """Sleep until a KV transfer may advance, at most `timeout_s` (the engine loop calls
+        this between steps that only poll transfers)."""
+        if self.kv_connector is None:
+            time.sleep(timeout_s)
+        else:
+            self.kv_connector.wait_for_progress(timeout_s)
+
     def kv_connector_identity(self) -> EngineIdentity | None:
         """How other engines reach this engine's connector (None without one)."""
         return None if self.kv_connector is None else self.kv_connector.identity()
