@@ -16,7 +16,7 @@ from fleetserve.engine.kv_transfer.transport import (
     TransferState,
     kv_region_name,
 )
-from tests.engine.kv_transfer.conftest import KINDS, Pair, start_pair, stop_pair
+from tests.engine.kv_transfer.conftest import KINDS, Pair, start_pair, stop_pair, transport_kind
 from tests.engine.kv_transfer.peer import Peer
 
 ALL_K = [BlockCopy(kv_region_name(layer, "k"), range(8), range(8)) for layer in range(3)]
@@ -44,8 +44,12 @@ def test_peer_killed_mid_transfer_fails_with_a_stage_and_no_hang(kind: str) -> N
         assert status.state is TransferState.FAILED
         assert time.monotonic() - started < 4.0
         assert status.failure is not None
-        assert status.failure.stage in (FailureStage.RECEIVE, FailureStage.SEND,
-                                        FailureStage.CONNECT, FailureStage.TIMEOUT)
+        assert status.failure.stage in (
+            FailureStage.RECEIVE,
+            FailureStage.SEND,
+            FailureStage.CONNECT,
+            FailureStage.TIMEOUT,
+        )
         # Ours is quiesced (the lane was torn down); Mooncake only when no data was submitted
         # yet (its namespace check failed first).
         if kind == "mooncake":
@@ -69,7 +73,7 @@ def test_stalled_peer_times_out_within_the_deadline_then_recovers(kind: str) -> 
         status = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=1.0).wait(10)
         assert status.state is TransferState.FAILED
         assert status.failure is not None and status.failure.stage is FailureStage.TIMEOUT
-        assert 0.9 < status.elapsed_s < 2.0, status.failure
+        assert 0.9 < status.elapsed_s < 2.0
         pair.peer.resume()
         if kind == "mooncake":
             time.sleep(6)  # its engine holds the timed-out batch until MC_TRANSFER_TIMEOUT
@@ -79,37 +83,49 @@ def test_stalled_peer_times_out_within_the_deadline_then_recovers(kind: str) -> 
         stop_pair(pair)
 
 
-@pytest.mark.parametrize("kind", ["tcp", "tcp-shm"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_restarted_producer_rejects_the_stale_namespace(kind: str) -> None:
     pair = start_pair(kind)
     try:
         old = pair.peer.descriptor
         assert pair.local.pull(old, ALL_K).wait(15).state is TransferState.DONE
         pair.peer.kill()
-        # The same engine comes back on the same port, with a new namespace and new contents.
-        pair.peer = Peer.start("tcp", seed=5, shared=kind == "tcp-shm",
-                               options={"port": old.port})
+        # The same engine comes back (tcp: on the same port), with a new namespace and new
+        # contents. Mooncake picks a new RPC port itself: the old session is simply gone.
+        options = {} if kind == "mooncake" else {"port": old.port}
+        pair.peer = Peer.start(
+            transport_kind(kind), seed=5, shared=kind == "tcp-shm", options=options
+        )
         assert pair.peer.descriptor.namespace != old.namespace
         before = [c.clone() for c in pair.caches]
-        for handle in (pair.local.pull(old, ALL_K, timeout=5),
-                       pair.local.push(old, ALL_K, tag="stale", timeout=5)):
+        for handle in (
+            pair.local.pull(old, ALL_K, timeout=5),
+            pair.local.push(old, ALL_K, tag="stale", timeout=5),
+        ):
             status = handle.wait(10)
             assert status.state is TransferState.FAILED
-            assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
-            assert "stale namespace" in status.failure.message
+            assert status.failure is not None
+            if kind == "mooncake":
+                assert status.failure.stage in (FailureStage.CONNECT, FailureStage.REJECTED)
+            else:
+                assert status.failure.stage is FailureStage.REJECTED
+                assert "stale namespace" in status.failure.message
         assert all(torch.equal(a, b) for a, b in zip(before, pair.caches, strict=True))
-        assert pair.peer.call("stats")["rejected_requests"] >= 2
+        if kind != "mooncake":
+            assert pair.peer.call("stats")["rejected_requests"] >= 2
         fresh = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=5).wait(10)
         assert fresh.state is TransferState.DONE and fresh.same_host is (kind == "tcp-shm")
     finally:
         stop_pair(pair)
 
 
-def test_mooncake_rejects_a_stale_namespace(pair: Pair) -> None:
+def test_forged_namespace_is_rejected(pair: Pair) -> None:
     forged = dataclasses.replace(pair.peer.descriptor, namespace="ab" * 16)
     before = [c.clone() for c in pair.caches]
-    for handle in (pair.local.pull(forged, ALL_K, timeout=5),
-                   pair.local.push(forged, ALL_K, tag="stale", timeout=5)):
+    for handle in (
+        pair.local.pull(forged, ALL_K, timeout=5),
+        pair.local.push(forged, ALL_K, tag="stale", timeout=5),
+    ):
         status = handle.wait(10)
         assert status.state is TransferState.FAILED
         assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
@@ -126,8 +142,7 @@ def test_out_of_range_blocks(pair: Pair) -> None:
     lying = _inflate(honest, 10**7)
     before, peer_before = [c.clone() for c in pair.caches], pair.peer.caches()
     pull = pair.local.pull(lying, [BlockCopy("layer.2.v", [0, 10**7 - 1], [0, 1])], timeout=5)
-    push = pair.local.push(lying, [BlockCopy("layer.2.v", [0], [10**7 - 1])], tag="oor",
-                           timeout=5)
+    push = pair.local.push(lying, [BlockCopy("layer.2.v", [0], [10**7 - 1])], tag="oor", timeout=5)
     for status in (pull.wait(10), push.wait(10)):
         assert status.state is TransferState.FAILED
         assert status.failure is not None
@@ -135,13 +150,18 @@ def test_out_of_range_blocks(pair: Pair) -> None:
             assert status.failure.stage is FailureStage.REJECTED
             assert "out of range" in status.failure.message
     assert torch.equal(pair.peer.caches()[2], peer_before[2])
-    if pair.kind != "mooncake":  # ours refuses the whole request before moving any byte
-        assert torch.equal(pair.caches[2], before[2])
+    # The refused block was never read into its destination (block 0, in range, may be).
+    assert torch.equal(pair.caches[2][1, 1], before[2][1, 1])
+    assert torch.equal(pair.caches[2][0], before[2][0])
 
 
 def test_push_over_a_dropped_connection_fails_and_is_not_replayed() -> None:
-    pair = start_pair("tcp", layers=1, num_blocks=4096,
-                      local_options={"config": {"lanes_per_peer": 1, "chunk_bytes": 1 << 16}})
+    pair = start_pair(
+        "tcp",
+        layers=1,
+        num_blocks=4096,
+        local_options={"config": {"lanes_per_peer": 1, "chunk_bytes": 1 << 16}},
+    )
     try:
         copies = [BlockCopy(kv_region_name(0, k), range(4096), range(4096)) for k in "kv"]
         chunks = 2 * 4096 * 128 // (1 << 16)
@@ -157,35 +177,34 @@ def test_push_over_a_dropped_connection_fails_and_is_not_replayed() -> None:
         assert pair.peer.call("stats")["served_requests"] == served < chunks  # no replay
         assert pair.peer.call("notifications") == []
         after = pair.peer.caches()
-        changed = sum(int(not torch.equal(after[0][i, b], before[0][i, b]))
-                      for i in range(2) for b in range(4096))
+        changed = sum(
+            int(not torch.equal(after[0][i, b], before[0][i, b]))
+            for i in range(2)
+            for b in range(4096)
+        )
         assert changed <= (served + 1) * (1 << 16) // 128
     finally:
         stop_pair(pair)
 
 
-@pytest.mark.parametrize("kind", ["tcp", "tcp-shm"])
-def test_revoked_push_tag_is_refused(kind: str, pair: Pair) -> None:
-    if pair.kind != kind:
-        pytest.skip("runs with its own kind")
-    assert pair.peer.call("revoke", "gone", 5.0) is True
+def test_revoked_push_tag(pair: Pair) -> None:
     before = pair.peer.caches()
+    if pair.kind == "mooncake":
+        # Mooncake's server cannot be told to refuse a write: the revoke says so, and only the
+        # notifications of the tag are dropped.
+        assert pair.peer.call("revoke", "gone", 1.0) is False
+        status = pair.local.push(pair.peer.descriptor, ALL_K, tag="gone").wait(10)
+        assert status.state is TransferState.DONE
+        assert [t for t, _ in pair.peer.call("notifications")] == []
+        return
+    assert pair.peer.call("revoke", "gone", 5.0) is True
     status = pair.local.push(pair.peer.descriptor, ALL_K, tag="gone", timeout=5).wait(10)
     assert status.state is TransferState.FAILED
     assert status.failure is not None and status.failure.stage is FailureStage.REJECTED
     assert "revoked" in status.failure.message
     assert all(torch.equal(a, b) for a, b in zip(before, pair.peer.caches(), strict=True))
-    assert pair.local.push(pair.peer.descriptor, ALL_K, tag="kept").wait(10).state is (
-        TransferState.DONE)
-
-
-def test_mooncake_cannot_promise_a_revocation(pair: Pair) -> None:
-    if pair.kind != "mooncake":
-        pytest.skip("mooncake only")
-    assert pair.peer.call("revoke", "gone", 1.0) is False
-    assert pair.local.push(pair.peer.descriptor, ALL_K, tag="gone").wait(10).state is (
-        TransferState.DONE)
-    assert [t for t, _ in pair.peer.call("notifications")] == []  # dropped as revoked
+    kept = pair.local.push(pair.peer.descriptor, ALL_K, tag="kept").wait(10)
+    assert kept.state is TransferState.DONE
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -78,8 +78,10 @@ def make_region(
             "with its CUDA build)"
         )
     if tensor.dim() < 1 or tensor.shape[0] < 1:
-        raise ValueError(f"region {name!r}: need a tensor with a block dimension, got shape "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"region {name!r}: need a tensor with a block dimension, got shape "
+            f"{tuple(tensor.shape)}"
+        )
     element = tensor.element_size()
     block = tensor[0]
     if not block.is_contiguous():

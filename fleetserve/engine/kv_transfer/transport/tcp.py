@@ -88,8 +88,14 @@ class TcpConfig:
     """Connections the server accepts at once."""
 
     def __post_init__(self) -> None:
-        for name in ("lanes_per_peer", "chunk_bytes", "same_host_chunk_bytes",
-                     "max_inflight_tasks", "max_inflight_bytes", "max_connections"):
+        for name in (
+            "lanes_per_peer",
+            "chunk_bytes",
+            "same_host_chunk_bytes",
+            "max_inflight_tasks",
+            "max_inflight_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TcpConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("connect_timeout", "progress_timeout", "transfer_timeout"):
@@ -109,8 +115,9 @@ def _namespace_bytes(peer: EndpointDescriptor) -> bytes:
     except ValueError:
         namespace = b""
     if len(namespace) != 16:
-        raise ValueError(f"peer {peer.engine_id!r}: namespace must be 32 hex digits, got "
-                         f"{peer.namespace!r}")
+        raise ValueError(
+            f"peer {peer.engine_id!r}: namespace must be 32 hex digits, got {peer.namespace!r}"
+        )
     return namespace
 
 
@@ -144,7 +151,10 @@ class TcpTransport(KVTransport):
         self._admission = Admission(self.config.max_inflight_tasks, self.config.max_inflight_bytes)
         self._watchdog = Watchdog(f"kv-tcp-{engine_id}")
         self._server = TcpServer(
-            host, port, namespace=self._namespace, regions=lambda: self._region_list,
+            host,
+            port,
+            namespace=self._namespace,
+            regions=lambda: self._region_list,
             progress_timeout=self.config.progress_timeout,
             max_connections=self.config.max_connections,
             max_request_bytes=max(self.config.chunk_bytes, 1 << 24),
@@ -224,24 +234,36 @@ class TcpTransport(KVTransport):
         namespace = _namespace_bytes(peer)
         link = self._link(peer)
         arenas = self._peer_arenas(link, peer, runs)
-        deadline = time.monotonic() + (timeout if timeout is not None
-                                       else self.config.transfer_timeout)
+        deadline = time.monotonic() + (
+            timeout if timeout is not None else self.config.transfer_timeout
+        )
         transfer = Transfer(
-            next(self._ids), peer.engine_id, layers={r.layer for r in runs},
-            total_bytes=sum(r.nbytes for r in runs), num_descriptors=len(runs),
-            same_host=arenas is not None, deadline=deadline, admission=self._admission,
+            next(self._ids),
+            peer.engine_id,
+            layers={r.layer for r in runs},
+            total_bytes=sum(r.nbytes for r in runs),
+            num_descriptors=len(runs),
+            same_host=arenas is not None,
+            deadline=deadline,
+            admission=self._admission,
             on_finish=lambda t: self._finished(t, link),
         )
         if arenas is not None:
-            self._add_same_host_tasks(transfer, link, peer, runs, arenas, direction == "push",
-                                      tag, namespace)
+            self._add_same_host_tasks(
+                transfer, link, peer, runs, arenas, direction == "push", tag, namespace
+            )
         else:
             op = Op.READ if direction == "pull" else Op.WRITE
             for run in runs:
                 for piece in split_run(run, self.config.chunk_bytes):
                     transfer.add_task(
-                        Task(transfer, run.layer, piece.nbytes,
-                             NetWork(namespace, op, piece, tag), link.enqueue)
+                        Task(
+                            transfer,
+                            run.layer,
+                            piece.nbytes,
+                            NetWork(namespace, op, piece, tag),
+                            link.enqueue,
+                        )
                     )
         if direction == "push":
             for layer in sorted({r.layer for r in runs}):
@@ -286,8 +308,9 @@ class TcpTransport(KVTransport):
                 span = (piece.num_blocks - 1) * stride + piece.local.block_bytes
                 copies.append((remote, local, span) if push else (local, remote, span))
             ranges = pack_ranges([(p.remote_index, p.remote_start, p.num_blocks) for p in group])
-            used = tuple({id(arenas[p.remote_index][0]): arenas[p.remote_index][0]
-                          for p in group}.values())
+            used = tuple(
+                {id(arenas[p.remote_index][0]): arenas[p.remote_index][0] for p in group}.values()
+            )
             work = ShmWork(namespace, push, copies, ranges, tag, used)
             nbytes = sum(p.nbytes for p in group)
             transfer.add_task(Task(transfer, group[0].layer, nbytes, work, link.enqueue))
@@ -296,8 +319,12 @@ class TcpTransport(KVTransport):
         self, link: PeerLink, peer: EndpointDescriptor, runs: list[Run]
     ) -> dict[int, tuple[PeerArena, int]] | None:
         """The peer's mapped arenas by region index, when the same-host path can carry `runs`."""
-        if (not self.config.same_host or link.same_host_failed or not runs
-                or peer.host_identity != self._host_identity):
+        if (
+            not self.config.same_host
+            or link.same_host_failed
+            or not runs
+            or peer.host_identity != self._host_identity
+        ):
             return None
         files = peer.extra.get("shm_files") or []
         placement = peer.extra.get("shm_regions") or []
@@ -315,16 +342,18 @@ class TcpTransport(KVTransport):
                 try:
                     arena = PeerArena.open(spec["path"], spec["arena_id"], spec["size"])
                 except (OSError, ValueError, RuntimeError) as e:
-                    logger.warning("same-host path to %r unavailable (%s); using TCP",
-                                   peer.engine_id, e)
+                    logger.warning(
+                        "same-host path to %r unavailable (%s); using TCP", peer.engine_id, e
+                    )
                     link.same_host_failed = True
                     return None
                 with self._lock:
                     arena = link.arenas.setdefault(key, arena)
             info = peer.regions[i]
             if offset + (info.num_blocks - 1) * info.block_stride + info.block_bytes > arena.size:
-                raise ValueError(f"peer {peer.engine_id!r}: region {info.name!r} lies outside "
-                                 f"its shared arena")
+                # The descriptor does not fit the file (it is stale or wrong): let the socket
+                # path carry the transfer, where the peer itself refuses what is out of range.
+                return None
             mapped[i] = (arena, offset)
         return mapped
 
@@ -339,7 +368,8 @@ class TcpTransport(KVTransport):
                 link.same_host_failed = False
             if link is None:
                 link = self._links[key] = PeerLink(
-                    peer, lanes=self.config.lanes_per_peer,
+                    peer,
+                    lanes=self.config.lanes_per_peer,
                     connect_timeout=self.config.connect_timeout,
                     progress_timeout=self.config.progress_timeout,
                 )
@@ -372,8 +402,11 @@ class TcpTransport(KVTransport):
 
     def in_flight(self, peer_engine_id: str) -> int:
         with self._lock:
-            return sum(link.in_flight for (engine, _, _), link in self._links.items()
-                       if engine == peer_engine_id)
+            return sum(
+                link.in_flight
+                for (engine, _, _), link in self._links.items()
+                if engine == peer_engine_id
+            )
 
     def forget_peer(self, peer_engine_id: str) -> bool:
         with self._lock:
@@ -389,10 +422,14 @@ class TcpTransport(KVTransport):
         admission = self._admission
         with self._lock:
             return TransportStats(
-                inflight_tasks=admission.tasks, inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks, peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done, transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved, served_requests=self._server.served,
+                inflight_tasks=admission.tasks,
+                inflight_bytes=admission.bytes,
+                peak_inflight_tasks=admission.peak_tasks,
+                peak_inflight_bytes=admission.peak_bytes,
+                transfers_done=self._done,
+                transfers_failed=self._failed,
+                bytes_moved=self._bytes_moved,
+                served_requests=self._server.served,
                 rejected_requests=self._server.rejected,
             )
 

@@ -14,9 +14,11 @@ copying into a peer's memory is only torn down after the copy and its END.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -201,17 +203,28 @@ class _Lane:
             run = work.run
             data = run.local.span(run.local_start, run.num_blocks)
             self._request(
-                work.op, work.namespace, deadline, region=run.remote_index, start=run.remote_start,
-                count=run.num_blocks, tag=work.tag,
+                work.op,
+                work.namespace,
+                deadline,
+                region=run.remote_index,
+                start=run.remote_start,
+                count=run.num_blocks,
+                tag=work.tag,
                 payload=data if work.op == Op.WRITE else None,
                 into=data if work.op == Op.READ else None,
                 what=f"region {run.local.name!r} peer blocks "
-                     f"[{run.remote_start}, {run.remote_start + run.num_blocks})",
+                f"[{run.remote_start}, {run.remote_start + run.num_blocks})",
             )
             return None
         if isinstance(work, NotifyWork):
-            self._request(Op.NOTIFY, work.namespace, deadline, layer=work.layer, tag=work.tag,
-                          what=f"layer {work.layer}")
+            self._request(
+                Op.NOTIFY,
+                work.namespace,
+                deadline,
+                layer=work.layer,
+                tag=work.tag,
+                what=f"layer {work.layer}",
+            )
             return None
         assert isinstance(work, ShmWork)
         return self._run_same_host(work, deadline)
@@ -219,8 +232,9 @@ class _Lane:
     def _run_same_host(self, work: ShmWork, deadline: float) -> int:
         what = "same-host ranges"
         op = Op.BEGIN if work.push else Op.VALIDATE
-        self._request(op, work.namespace, deadline, tag=work.tag, payload=memoryview(work.ranges),
-                      what=what)
+        self._request(
+            op, work.namespace, deadline, tag=work.tag, payload=memoryview(work.ranges), what=what
+        )
         with self._lock:
             if self._aborted:  # torn down after the check: do not copy (the peer saw us go)
                 raise _Failed(FailureStage.TIMEOUT, "aborted before the same-host copy")
@@ -256,8 +270,19 @@ class _Lane:
         sock = self._connect(deadline)
         request_id = self.link.next_request_id()
         payload_len = len(payload) if payload is not None else 0
-        header = REQUEST.pack(REQUEST_MAGIC, op, 0, len(tag), request_id, namespace, region,
-                              start, count, layer, payload_len)
+        header = REQUEST.pack(
+            REQUEST_MAGIC,
+            op,
+            0,
+            len(tag),
+            request_id,
+            namespace,
+            region,
+            start,
+            count,
+            layer,
+            payload_len,
+        )
         stage = FailureStage.SEND
         try:
             self._set_timeout(sock, deadline)
@@ -266,16 +291,23 @@ class _Lane:
             status = self._response(sock, request_id, into, deadline)
         except TimeoutError:
             self._disconnect()
-            raise _Failed(FailureStage.TIMEOUT, f"{op.name} of {what} with "
-                          f"{self.link.engine_id!r}: no progress within the timeout") from None
+            raise _Failed(
+                FailureStage.TIMEOUT,
+                f"{op.name} of {what} with {self.link.engine_id!r}: no progress within the timeout",
+            ) from None
         except OSError as e:
             self._disconnect()
             doing = "sending" if stage is FailureStage.SEND else "receiving"
-            raise _Failed(stage, f"{op.name} of {what} with {self.link.engine_id!r}: "
-                          f"connection failed while {doing} ({e}); not retried") from None
+            raise _Failed(
+                stage,
+                f"{op.name} of {what} with {self.link.engine_id!r}: "
+                f"connection failed while {doing} ({e}); not retried",
+            ) from None
         if status is not Status.OK:
-            raise _Failed(FailureStage.REJECTED, f"peer {self.link.engine_id!r} refused "
-                          f"{op.name} of {what}: {status.describe()}")
+            raise _Failed(
+                FailureStage.REJECTED,
+                f"peer {self.link.engine_id!r} refused {op.name} of {what}: {status.describe()}",
+            )
 
     def _response(
         self, sock: socket.socket, request_id: int, into: memoryview | None, deadline: float
@@ -308,14 +340,22 @@ class _Lane:
 
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is not None:
-            return self._sock
+            # An idle lane has nothing to read: readable means the peer closed it (it exited or
+            # restarted). Reconnect before sending rather than fail a request that never left.
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not poller.poll(0):
+                return self._sock
+            self._disconnect()
         peer = self.link.peer
         timeout = min(self.link.connect_timeout, max(0.001, deadline - time.monotonic()))
         try:
             sock = socket.create_connection((peer.host, peer.port), timeout=timeout)
         except OSError as e:
-            raise _Failed(FailureStage.CONNECT, f"cannot connect to {peer.engine_id!r} at "
-                          f"{peer.host}:{peer.port}: {e}") from None
+            raise _Failed(
+                FailureStage.CONNECT,
+                f"cannot connect to {peer.engine_id!r} at {peer.host}:{peer.port}: {e}",
+            ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._sock = sock
@@ -340,7 +380,5 @@ class _Lane:
 def _shutdown(sock: socket.socket | None) -> None:
     if sock is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -13,6 +13,7 @@ request at a time, of at most `max_request_bytes`; a request stalled mid-way for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -146,7 +147,9 @@ class TcpServer:
                 self._next_conn += 1
                 self._conns[conn_id] = conn
                 thread = threading.Thread(
-                    target=self._serve, args=(conn_id, conn), name=f"kv-tcp-serve-{conn_id}",
+                    target=self._serve,
+                    args=(conn_id, conn),
+                    name=f"kv-tcp-serve-{conn_id}",
                     daemon=True,
                 )
                 self._threads[conn_id] = thread
@@ -182,8 +185,19 @@ class TcpServer:
 
     def _handle(self, conn_id: int, conn: socket.socket, header: bytearray) -> bool:
         """Answer one request; False to drop the connection (a protocol error)."""
-        (magic, op, _flags, tag_len, request_id, namespace, region, start, count, layer,
-         payload_len) = REQUEST.unpack_from(header)
+        (
+            magic,
+            op,
+            _flags,
+            tag_len,
+            request_id,
+            namespace,
+            region,
+            start,
+            count,
+            layer,
+            payload_len,
+        ) = REQUEST.unpack_from(header)
         if magic != REQUEST_MAGIC or payload_len > self._max_request_bytes:
             logger.warning("kv tcp connection %d: malformed request, dropping it", conn_id)
             return False
@@ -292,7 +306,5 @@ def _drain(conn: socket.socket, size: int) -> None:
 def _shutdown(sock: socket.socket | None) -> None:
     if sock is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
