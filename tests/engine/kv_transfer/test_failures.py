@@ -13,6 +13,7 @@ from fleetserve.engine.kv_transfer.transport import (
     BlockCopy,
     EndpointDescriptor,
     FailureStage,
+    TransferHandle,
     TransferState,
     kv_region_name,
 )
@@ -28,6 +29,14 @@ def _inflate(descriptor: EndpointDescriptor, num_blocks: int) -> EndpointDescrip
     return dataclasses.replace(descriptor, regions=regions)
 
 
+def _needing_the_peer(pair: Pair, timeout: float) -> TransferHandle:
+    """A transfer the peer must answer: a pull, or a push on the same-host path (whose pulls
+    copy from the peer's memory without it once its namespace was confirmed)."""
+    if pair.kind == "tcp-shm":
+        return pair.local.push(pair.peer.descriptor, ALL_K, tag="blocked", timeout=timeout)
+    return pair.local.pull(pair.peer.descriptor, ALL_K, timeout=timeout)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_peer_killed_mid_transfer_fails_with_a_stage_and_no_hang(kind: str) -> None:
     pair = start_pair(kind)
@@ -35,7 +44,7 @@ def test_peer_killed_mid_transfer_fails_with_a_stage_and_no_hang(kind: str) -> N
         ok = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=10).wait(15)
         assert ok.state is TransferState.DONE  # lanes, mappings and segments are warm
         pair.peer.pause()  # the request below reaches the peer's socket, never its answer
-        handle = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=3)
+        handle = _needing_the_peer(pair, timeout=3)
         time.sleep(0.2)
         assert handle.poll().state is TransferState.PENDING
         started = time.monotonic()
@@ -70,7 +79,7 @@ def test_stalled_peer_times_out_within_the_deadline_then_recovers(kind: str) -> 
     try:
         assert pair.local.pull(pair.peer.descriptor, ALL_K).wait(15).state is TransferState.DONE
         pair.peer.pause()
-        status = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=1.0).wait(10)
+        status = _needing_the_peer(pair, timeout=1.0).wait(10)
         assert status.state is TransferState.FAILED
         assert status.failure is not None and status.failure.stage is FailureStage.TIMEOUT
         assert 0.9 < status.elapsed_s < 2.0
@@ -207,13 +216,32 @@ def test_revoked_push_tag(pair: Pair) -> None:
     assert kept.state is TransferState.DONE
 
 
+def test_same_host_pull_needs_no_help_from_a_stalled_peer() -> None:
+    # Confirmation is per connection: with one lane, the warm-up pull confirms the only one.
+    pair = start_pair("tcp-shm", local_options={"config": {"lanes_per_peer": 1}})
+    try:
+        assert pair.local.pull(pair.peer.descriptor, ALL_K).wait(15).state is TransferState.DONE
+        sources = pair.peer.caches()
+        pair.peer.pause()
+        copies = [BlockCopy("layer.1.v", [20, 21, 3], [9, 10, 11])]
+        status = pair.local.pull(pair.peer.descriptor, copies, timeout=2).wait(5)
+        assert status.state is TransferState.DONE and status.same_host
+        assert torch.equal(pair.caches[1][1, 9:12], sources[1][1, [20, 21, 3]])
+        pair.peer.kill()  # and once it is gone, the next pull notices at once
+        gone = pair.local.pull(pair.peer.descriptor, copies, timeout=2).wait(5)
+        assert gone.state is TransferState.FAILED and gone.failure is not None
+        assert gone.failure.stage is FailureStage.CONNECT
+    finally:
+        stop_pair(pair)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_closing_fails_what_is_in_flight_and_refuses_new_transfers(kind: str) -> None:
     pair = start_pair(kind)
     try:
         assert pair.local.pull(pair.peer.descriptor, ALL_K).wait(15).state is TransferState.DONE
         pair.peer.pause()
-        handle = pair.local.pull(pair.peer.descriptor, ALL_K, timeout=20)
+        handle = _needing_the_peer(pair, timeout=20)
         time.sleep(0.1)
         if kind != "mooncake":
             pair.local.close()

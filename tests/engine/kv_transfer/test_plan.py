@@ -47,10 +47,18 @@ def _peer(num_blocks: int = 20, block_bytes: int = 128) -> EndpointDescriptor:
 
 
 def test_coalesce_merges_runs_consecutive_on_both_sides_only() -> None:
-    assert coalesce([5, 1, 2, 3, 9], [50, 10, 11, 12, 13]) == [[1, 10, 3], [5, 50, 1], [9, 13, 1]]
-    assert coalesce([1, 2, 3], [7, 8, 10]) == [[1, 7, 2], [3, 10, 1]]
-    assert coalesce([1, 2], [3, 4], allow=False) == [[1, 3, 1], [2, 4, 1]]
+    expected = [(1, 10, 3), (5, 50, 1), (9, 13, 1)]
+    assert coalesce([5, 1, 2, 3, 9], [50, 10, 11, 12, 13]) == expected
+    assert coalesce([1, 2, 3], [7, 8, 10]) == [(1, 7, 2), (3, 10, 1)]
+    assert coalesce([1, 2], [3, 4], allow=False) == [(1, 3, 1), (2, 4, 1)]
     assert coalesce([], []) == []
+    # The vectorised path (long lists) agrees with the loop.
+    src = [*range(100, 400), 7, *range(500, 600, 2)]
+    dst = [*range(1000, 1150), *range(2000, 2150), 3, *range(50)]
+    assert coalesce(src, dst) == [(7, 3, 1), (100, 1000, 150), (250, 2000, 150)] + [
+        (500 + 2 * i, i, 1) for i in range(50)
+    ]
+    assert len(coalesce(range(300), range(300), allow=False)) == 300
 
 
 def test_plan_orders_by_layer_and_counts_descriptors() -> None:

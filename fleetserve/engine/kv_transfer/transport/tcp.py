@@ -46,14 +46,14 @@ from fleetserve.engine.kv_transfer.transport.plan import (
     Direction,
     Region,
     Run,
+    group_runs,
     make_region,
     plan_transfer,
-    split_run,
 )
 from fleetserve.engine.kv_transfer.transport.shm import PeerArena, host_identity
 from fleetserve.engine.kv_transfer.transport.tcp_lane import NetWork, NotifyWork, PeerLink, ShmWork
 from fleetserve.engine.kv_transfer.transport.tcp_server import TcpServer
-from fleetserve.engine.kv_transfer.transport.wire import Op, pack_ranges
+from fleetserve.engine.kv_transfer.transport.wire import Op
 
 if TYPE_CHECKING:
     import torch
@@ -254,21 +254,14 @@ class TcpTransport(KVTransport):
             )
         else:
             op = Op.READ if direction == "pull" else Op.WRITE
-            for run in runs:
-                for piece in split_run(run, self.config.chunk_bytes):
-                    transfer.add_task(
-                        Task(
-                            transfer,
-                            run.layer,
-                            piece.nbytes,
-                            NetWork(namespace, op, piece, tag),
-                            link.enqueue,
-                        )
-                    )
+            for group in group_runs(runs, self.config.chunk_bytes):
+                work = NetWork(namespace, op, group, tag)
+                nbytes = sum(piece.nbytes for piece in group)
+                transfer.add_task(Task(transfer, group[0].layer, nbytes, work, link.enqueue))
         if direction == "push":
             for layer in sorted({r.layer for r in runs}):
-                work = NotifyWork(namespace, tag, layer)
-                transfer.add_seal(Task(transfer, layer, 0, work, link.enqueue))
+                seal = NotifyWork(namespace, tag, layer)
+                transfer.add_seal(Task(transfer, layer, 0, seal, link.enqueue))
         with self._lock:
             link.in_flight += 1
         tasks = transfer.start()
@@ -288,16 +281,7 @@ class TcpTransport(KVTransport):
         namespace: bytes,
     ) -> None:
         """Group the runs of each layer into copy tasks of at most same_host_chunk_bytes."""
-        limit = self.config.same_host_chunk_bytes
-        groups: list[list[Run]] = []
-        size = 0
-        for run in runs:
-            for piece in split_run(run, limit):
-                if not groups or groups[-1][0].layer != piece.layer or size + piece.nbytes > limit:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(piece)
-                size += piece.nbytes
+        groups = group_runs(runs, self.config.same_host_chunk_bytes)
         for group in groups:
             copies = []
             for piece in group:
@@ -307,7 +291,7 @@ class TcpTransport(KVTransport):
                 local = piece.local.base_ptr + piece.local_start * piece.local.block_stride
                 span = (piece.num_blocks - 1) * stride + piece.local.block_bytes
                 copies.append((remote, local, span) if push else (local, remote, span))
-            ranges = pack_ranges([(p.remote_index, p.remote_start, p.num_blocks) for p in group])
+            ranges = [(p.remote_index, p.remote_start, p.num_blocks) for p in group]
             used = tuple(
                 {id(arenas[p.remote_index][0]): arenas[p.remote_index][0] for p in group}.values()
             )
