@@ -118,14 +118,16 @@ def _pull_fn(
         if status.state is not TransferState.DONE:
             raise RuntimeError(f"{transport.kind} pull failed: {status.failure}")
         if status.same_host is not same_host:
-            raise RuntimeError(f"{transport.kind}: same-host path {status.same_host}, expected "
-                               f"{same_host}")
+            raise RuntimeError(
+                f"{transport.kind}: same-host path {status.same_host}, expected {same_host}"
+            )
 
     return pull
 
 
-def _check(local: list[torch.Tensor], expected: list[torch.Tensor], copies: list[BlockCopy],
-           what: str) -> None:
+def _check(
+    local: list[torch.Tensor], expected: list[torch.Tensor], copies: list[BlockCopy], what: str
+) -> None:
     for copy in copies:
         layer, kind = int(copy.region.split(".")[1]), "kv".index(copy.region[-1])
         ids = list(copy.dst_block_ids)
@@ -175,8 +177,11 @@ def _measure(
     local, _ = _caches(num_blocks, seed=None, arena=False)
     transports: dict[str, tuple[KVTransport, str, bool]] = {}
     if "tcp" in args.transports:
-        transports["tcp"] = (TcpTransport("bench-consumer", config=TcpConfig(same_host=False)),
-                             "tcp", False)
+        transports["tcp"] = (
+            TcpTransport("bench-consumer", config=TcpConfig(same_host=False)),
+            "tcp",
+            False,
+        )
     if "tcp-shm" in args.transports:
         transports["tcp same-host (shm)"] = (TcpTransport("bench-consumer-shm"), "tcp", True)
     if "mooncake" in args.transports:
@@ -202,8 +207,9 @@ def _measure(
             rtt[name] = _percentiles(_time(pull, args.rtt_iterations, warmup=50))
         rows.append(Row("memcpy (1 thread)", _memcpy(local, expected, sizes, per_region, args)))
         if "mooncake" in args.transports:
-            rtt["mooncake raw batch_transfer_sync_read"] = _mooncake_raw_rtt(peers["mooncake"],
-                                                                            args.rtt_iterations)
+            rtt["mooncake raw batch_transfer_sync_read"] = _mooncake_raw_rtt(
+                peers["mooncake"], args.rtt_iterations
+            )
     finally:
         for transport, _, _ in transports.values():
             transport.close()
@@ -226,8 +232,9 @@ def _memcpy(
             layer, kind = int(copy.region.split(".")[1]), "kv".index(copy.region[-1])
             dst, src = local[layer][kind], source[layer][kind]
             if args.scattered:
-                spans += [(dst[b].data_ptr(), src[b].data_ptr(), BLOCK_BYTES)
-                          for b in copy.dst_block_ids]
+                spans += [
+                    (dst[b].data_ptr(), src[b].data_ptr(), BLOCK_BYTES) for b in copy.dst_block_ids
+                ]
             else:
                 n = len(copy.dst_block_ids)
                 spans.append((dst.data_ptr(), src.data_ptr(), n * BLOCK_BYTES))
@@ -253,15 +260,16 @@ def _mooncake_raw_rtt(peer: EndpointDescriptor, iterations: int) -> tuple[float,
     remote = peer.extra["region_addrs"][peer.region_index("rtt")]
 
     def read() -> None:
-        if engine.batch_transfer_sync_read(session, [buffer.data_ptr()], [remote],
-                                           [RTT_BYTES]) != 0:
+        if (
+            engine.batch_transfer_sync_read(session, [buffer.data_ptr()], [remote], [RTT_BYTES])
+            != 0
+        ):
             raise RuntimeError("mooncake raw read failed")
 
     try:
         return _percentiles(_time(read, iterations, warmup=50))
     finally:
         engine.unregister_memory(buffer.data_ptr())
-        del engine
 
 
 def _summary(
@@ -279,12 +287,17 @@ def _summary(
             pair["tcp_over_mooncake"] = by_name["tcp"][label] / by_name["mooncake (tcp)"][label]
         if "tcp same-host (shm)" in by_name:
             pair["same_host_over_memcpy"] = (
-                by_name["tcp same-host (shm)"][label] / by_name["memcpy (1 thread)"][label])
+                by_name["tcp same-host (shm)"][label] / by_name["memcpy (1 thread)"][label]
+            )
         ratios[label] = pair
     return {
-        "layout": {"layers": LAYERS, "regions": LAYERS * 2, "block_bytes": BLOCK_BYTES,
-                   "blocks_per_size": {f"{s} MiB": per_region[s] * LAYERS * 2 for s in sizes},
-                   "scattered": args.scattered},
+        "layout": {
+            "layers": LAYERS,
+            "regions": LAYERS * 2,
+            "block_bytes": BLOCK_BYTES,
+            "blocks_per_size": {f"{s} MiB": per_region[s] * LAYERS * 2 for s in sizes},
+            "scattered": args.scattered,
+        },
         "iterations": args.iterations,
         "rtt_iterations": args.rtt_iterations,
         "cpus": os.cpu_count(),
@@ -314,13 +327,23 @@ def format_table(result: dict[str, Any]) -> str:
         for key, value in result["ratios"][label].items():
             target = TARGETS[key]
             verdict = "meets" if value >= target else "MISSES"
-            lines.append(f"  {label}: {key.replace('_', ' ')} = {value:.2f} ({verdict} the "
-                         f">= {target:g} target)")
-    lines.append(f"{'4 KiB round trip':<40}{'p50 us':>12}{'p99 us':>12}"
-                 f"   ({result['rtt_iterations']} pulls)")
+            lines.append(
+                f"  {label}: {key.replace('_', ' ')} = {value:.2f} ({verdict} the "
+                f">= {target:g} target)"
+            )
+    lines.append(
+        f"{'4 KiB round trip':<40}{'p50 us':>12}{'p99 us':>12}   ({result['rtt_iterations']} pulls)"
+    )
     for name, value in result["rtt_us"].items():
-        verdict = "" if "raw" in name else (
-            "  meets <= 200 us" if value["p50"] <= TARGETS["rtt_p50_us"] else "  MISSES <= 200 us")
+        verdict = (
+            ""
+            if "raw" in name
+            else (
+                "  meets <= 200 us"
+                if value["p50"] <= TARGETS["rtt_p50_us"]
+                else "  MISSES <= 200 us"
+            )
+        )
         lines.append(f"{name:<40}{value['p50']:>12.0f}{value['p99']:>12.0f}{verdict}")
     return "\n".join(lines)
 
@@ -330,11 +353,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=15, help="timed pulls per size")
     parser.add_argument("--rtt-iterations", type=int, default=1000, help="timed 4 KiB pulls")
     parser.add_argument(
-        "--transports", default="tcp,tcp-shm,mooncake",
+        "--transports",
+        default="tcp,tcp-shm,mooncake",
         help="comma-separated subset of tcp,tcp-shm,mooncake",
     )
-    parser.add_argument("--scattered", action="store_true",
-                        help="pull every other block (no two blocks coalesce)")
+    parser.add_argument(
+        "--scattered", action="store_true", help="pull every other block (no two blocks coalesce)"
+    )
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
 
 

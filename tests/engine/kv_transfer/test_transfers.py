@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+import pytest
 import torch
 
 from fleetserve.engine.kv_transfer.transport import BlockCopy, TransferState, kv_region_name
@@ -56,6 +58,7 @@ def test_empty_and_single_block_transfers(pair: Pair) -> None:
     assert torch.equal(pair.caches[1][1, 0], pair.peer.caches()[1][1, 23])
 
 
+@pytest.mark.slow
 def test_layers_complete_in_order_and_can_be_awaited_one_by_one() -> None:
     # One lane (one worker): layer L's blocks are requested only after layer L-1's, so a
     # consumer waiting for layer 0 proceeds while later layers are still moving.
@@ -64,10 +67,10 @@ def test_layers_complete_in_order_and_can_be_awaited_one_by_one() -> None:
         ("tcp-shm", {"config": {"lanes_per_peer": 1}}),
         ("mooncake", {"workers": 1}),
     ]:
-        pair = start_pair(kind, local_options=options, layers=8, num_blocks=2048)
+        pair = start_pair(kind, local_options=options, layers=8, num_blocks=16384)
         try:
             copies = [
-                BlockCopy(kv_region_name(layer, k), range(2048), range(2048))
+                BlockCopy(kv_region_name(layer, k), range(16384), range(16384))
                 for layer in range(8)
                 for k in "kv"
             ]
@@ -77,6 +80,7 @@ def test_layers_complete_in_order_and_can_be_awaited_one_by_one() -> None:
                 while (status := handle.poll()).state is TransferState.PENDING:
                     if not seen or status.layers_done != seen[-1]:
                         seen.append(status.layers_done)
+                    time.sleep(0.0001)  # let the lane take the GIL to mark layers done
                 assert status.state is TransferState.DONE, status.failure
                 for layers_done in seen:
                     assert layers_done == frozenset(range(len(layers_done))), (kind, seen)
@@ -86,6 +90,7 @@ def test_layers_complete_in_order_and_can_be_awaited_one_by_one() -> None:
             stop_pair(pair)
 
 
+@pytest.mark.slow
 def test_many_transfers_in_flight_respect_admission_bounds() -> None:
     bounds = {
         "tcp": {
