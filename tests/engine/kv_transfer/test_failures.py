@@ -218,6 +218,36 @@ def test_revoked_push_tag(pair: Pair) -> None:
     assert kept.state is TransferState.DONE
 
 
+@pytest.mark.parametrize("kind", ["tcp", "tcp-shm"])
+def test_revoking_a_push_in_flight_stops_its_writes(kind: str) -> None:
+    small = {"lanes_per_peer": 1, "chunk_bytes": 1 << 14, "same_host_chunk_bytes": 1 << 14}
+    pair = start_pair(kind, layers=1, num_blocks=16384, local_options={"config": small})
+    try:
+        copies = [BlockCopy(kv_region_name(0, k), range(16384), range(16384)) for k in "kv"]
+        for attempt in range(3):
+            tag = f"revoked-{attempt}"
+            handle = pair.local.push(pair.peer.descriptor, copies, tag=tag, timeout=20)
+            assert pair.peer.call("revoke", tag, 5.0) is True
+            frozen = pair.peer.caches()
+            status = handle.wait(20)
+            if status.state is TransferState.DONE:
+                continue  # it finished before the revoke arrived: try again
+            assert status.failure is not None
+            assert status.failure.stage in (
+                FailureStage.REJECTED,
+                FailureStage.SEND,
+                FailureStage.RECEIVE,
+            )
+            time.sleep(0.3)
+            # Nothing was written after revoke returned, and the layer was never announced.
+            assert torch.equal(pair.peer.caches()[0], frozen[0])
+            assert tag not in [t for t, _ in pair.peer.call("notifications")]
+            return
+        pytest.fail("every push finished before its revoke")
+    finally:
+        stop_pair(pair)
+
+
 def test_same_host_pull_needs_no_help_from_a_stalled_peer() -> None:
     # Confirmation is per connection: with one lane, the warm-up pull confirms the only one.
     pair = start_pair("tcp-shm", local_options={"config": {"lanes_per_peer": 1}})

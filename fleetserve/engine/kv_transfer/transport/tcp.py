@@ -232,7 +232,28 @@ class TcpTransport(KVTransport):
             raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'tcp'")
         runs = plan_transfer(direction, self._regions, peer, copies)
         namespace = _namespace_bytes(peer)
-        link = self._link(peer)
+        link = self._link(peer)  # counts this transfer in link.in_flight
+        try:
+            transfer = self._build(direction, link, peer, runs, namespace, tag, timeout)
+        except BaseException:
+            with self._lock:
+                link.in_flight -= 1
+            raise
+        tasks = transfer.start()
+        self._watchdog.add(transfer)
+        self._admission.submit(tasks)
+        return transfer
+
+    def _build(
+        self,
+        direction: Direction,
+        link: PeerLink,
+        peer: EndpointDescriptor,
+        runs: list[Run],
+        namespace: bytes,
+        tag: bytes,
+        timeout: float | None,
+    ) -> Transfer:
         arenas = self._peer_arenas(link, peer, runs)
         deadline = time.monotonic() + (
             timeout if timeout is not None else self.config.transfer_timeout
@@ -262,11 +283,6 @@ class TcpTransport(KVTransport):
             for layer in sorted({r.layer for r in runs}):
                 seal = NotifyWork(namespace, tag, layer)
                 transfer.add_seal(Task(transfer, layer, 0, seal, link.enqueue))
-        with self._lock:
-            link.in_flight += 1
-        tasks = transfer.start()
-        self._watchdog.add(transfer)
-        self._admission.submit(tasks)
         return transfer
 
     def _add_same_host_tasks(
@@ -342,8 +358,12 @@ class TcpTransport(KVTransport):
         return mapped
 
     def _link(self, peer: EndpointDescriptor) -> PeerLink:
+        """The peer's link, with one more transfer counted in flight (so that `forget_peer`
+        cannot close it under the transfer)."""
         key = (peer.engine_id, peer.host, peer.port)
         with self._lock:
+            if self.closed:
+                raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
             link = self._links.get(key)
             if link is not None and link.peer.namespace != peer.namespace:
                 # Same address, another incarnation: each task names the namespace its plan
@@ -357,6 +377,7 @@ class TcpTransport(KVTransport):
                     connect_timeout=self.config.connect_timeout,
                     progress_timeout=self.config.progress_timeout,
                 )
+            link.in_flight += 1
             return link
 
     def _finished(self, transfer: Transfer, link: PeerLink) -> None:

@@ -134,11 +134,15 @@ class PeerLink:
 
     def enqueue(self, task: Task) -> None:
         with self._cond:
-            if isinstance(task.work, NotifyWork):
+            closed = self._closed
+            if not closed and isinstance(task.work, NotifyWork):
                 self._queue.appendleft(task)  # a seal completes a layer someone waits for
-            else:
+            elif not closed:
                 self._queue.append(task)
             self._cond.notify()
+        if closed:  # raced with close(): nothing will run it
+            failure = TransferFailure(FailureStage.CLOSED, "the peer link closed", quiesced=True)
+            task.transfer.fail(failure)
 
     def take(self) -> Task | None:
         with self._cond:
