@@ -192,6 +192,20 @@ def _check_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
             raise ValueError(f"{what}: block id {block} out of range [0, {num_blocks})")
 
 
+def _consecutive(ids: Sequence[int]) -> int | None:
+    """The first id when `ids` is first, first + 1, ... (non-negative ints), else None."""
+    if not len(ids):
+        return None
+    if isinstance(ids, range):
+        return ids.start if ids.step == 1 and ids.start >= 0 else None
+    first = ids[0]
+    if type(first) is not int or first < 0 or ids[-1] - first != len(ids) - 1:
+        return None
+    if list(ids) != list(range(first, first + len(ids))) or set(map(type, ids)) != {int}:
+        return None
+    return first
+
+
 def plan_transfer(
     direction: Direction,
     regions: dict[str, Region],
@@ -222,12 +236,20 @@ def plan_transfer(
             if direction == "pull"
             else (local.num_blocks, remote.num_blocks)
         )
-        side = ("peer", "local") if direction == "pull" else ("local", "peer")
-        _check_ids(copy.src_block_ids, src_blocks, f"region {copy.region!r} ({side[0]})")
-        _check_ids(copy.dst_block_ids, dst_blocks, f"region {copy.region!r} ({side[1]})")
         destinations.setdefault(copy.region, []).append(copy.dst_block_ids)
         contiguous = local.contiguous and remote.block_stride == remote.block_bytes
-        for s, d, length in coalesce(copy.src_block_ids, copy.dst_block_ids, allow=contiguous):
+        n = len(copy.src_block_ids)
+        s0 = _consecutive(copy.src_block_ids) if contiguous else None
+        d0 = _consecutive(copy.dst_block_ids) if s0 is not None else None
+        if s0 is not None and d0 is not None and s0 + n <= src_blocks and d0 + n <= dst_blocks:
+            # The common case (one run each side), checked in O(1) Python steps.
+            pieces = [(s0, d0, n)]
+        else:
+            side = ("peer", "local") if direction == "pull" else ("local", "peer")
+            _check_ids(copy.src_block_ids, src_blocks, f"region {copy.region!r} ({side[0]})")
+            _check_ids(copy.dst_block_ids, dst_blocks, f"region {copy.region!r} ({side[1]})")
+            pieces = coalesce(copy.src_block_ids, copy.dst_block_ids, allow=contiguous)
+        for s, d, length in pieces:
             local_start, remote_start = (d, s) if direction == "pull" else (s, d)
             runs.append(Run(local, remote_index, local_start, remote_start, length))
     for region, lists in destinations.items():
