@@ -13,8 +13,9 @@ is the consumer and pulls blocks from it:
 
 Layout: 4 layers x {k, v} regions of 32 KiB blocks (16 tokens x 8 KV heads x 128 x bf16),
 contiguous block ids (one run per region; `--scattered` takes every other block instead, so
-nothing coalesces). Each figure is the median of `--iterations` timed pulls after warm-up
-pulls whose bytes are checked against the producer's.
+nothing coalesces). Each figure is the median of `--iterations` timed pulls, after warm-up
+pulls whose bytes are checked against the producer's; all cases are timed round-robin, one
+pull each per round, so that load from elsewhere on the machine hits them alike.
 """
 
 from __future__ import annotations
@@ -99,14 +100,21 @@ def _copies(blocks_per_region: int, scattered: bool) -> list[BlockCopy]:
     return [BlockCopy(kv_region_name(layer, k), ids, ids) for layer in range(LAYERS) for k in "kv"]
 
 
-def _time(fn: Callable[[], None], iterations: int, warmup: int) -> list[float]:
+def _interleaved(
+    cases: dict[tuple[str, str], Callable[[], None]], rounds: int, warmup: int
+) -> dict[tuple[str, str], list[float]]:
+    """Time every case once per round, rotating the order: on a shared machine a burst of
+    load then hits all cases alike instead of whichever ran during it."""
+    keys = list(cases)
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for key in keys:
+            cases[key]()
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            start = time.perf_counter()
+            cases[key]()
+            times[key].append(time.perf_counter() - start)
     return times
 
 
@@ -190,86 +198,87 @@ def _measure(
         transports["mooncake (tcp)"] = (MooncakeTransport("bench-consumer"), "mooncake", False)
     for transport, _, _ in transports.values():
         _register(transport, local, None)
-    rows, rtt = [], {}
+    one = [BlockCopy("rtt", [0], [0])]
+    bulk: dict[tuple[str, str], Callable[[], None]] = {}
+    small: dict[tuple[str, str], Callable[[], None]] = {}
     try:
         for name, (transport, kind, same_host) in transports.items():
-            gb_s = {}
             for size in sizes:
                 copies = _copies(per_region[size], args.scattered)
                 pull = _pull_fn(transport, peers[kind], copies, same_host)
                 pull()
                 _check(local, expected, copies, name)
-                times = _time(pull, args.iterations, warmup=2)
-                gb_s[f"{size} MiB"] = size * (1 << 20) / statistics.median(times) / 1e9
-            rows.append(Row(name, gb_s))
-            one = [BlockCopy("rtt", [0], [0])]
-            pull = _pull_fn(transport, peers[kind], one, same_host)
-            rtt[name] = _percentiles(_time(pull, args.rtt_iterations, warmup=50))
-        rows.append(Row("memcpy (1 thread)", _memcpy(local, expected, sizes, per_region, args)))
-        if "mooncake" in args.transports:
-            rtt["mooncake raw batch_transfer_sync_read"] = _mooncake_raw_rtt(
-                peers["mooncake"], args.rtt_iterations
+                bulk[(name, f"{size} MiB")] = pull
+            small[(name, "4 KiB")] = _pull_fn(transport, peers[kind], one, same_host)
+        for size in sizes:
+            bulk[("memcpy (1 thread)", f"{size} MiB")] = _memcpy(
+                local, expected, per_region[size], args.scattered
             )
+        raw = None
+        if "mooncake" in args.transports:
+            raw = _MooncakeRaw(peers["mooncake"])
+            small[("mooncake raw batch_transfer_sync_read", "4 KiB")] = raw.read
+        bulk_times = _interleaved(bulk, args.iterations, warmup=2)
+        small_times = _interleaved(small, args.rtt_iterations, warmup=50)
+        if raw is not None:
+            raw.close()
     finally:
         for transport, _, _ in transports.values():
             transport.close()
-    return _summary(args, sizes, per_region, rows, rtt)
+    rows: dict[str, dict[str, float]] = {}
+    for (name, label), times in bulk_times.items():
+        nbytes = int(label.split()[0]) * (1 << 20)
+        rows.setdefault(name, {})[label] = nbytes / statistics.median(times) / 1e9
+    rtt = {name: _percentiles(times) for (name, _), times in small_times.items()}
+    return _summary(args, sizes, per_region, [Row(n, g) for n, g in rows.items()], rtt)
 
 
 def _memcpy(
-    local: list[torch.Tensor],
-    source: list[torch.Tensor],
-    sizes: list[int],
-    per_region: dict[int, int],
-    args: argparse.Namespace,
-) -> dict[str, float]:
+    local: list[torch.Tensor], source: list[torch.Tensor], blocks_per_region: int, scattered: bool
+) -> Callable[[], None]:
     """The same bytes, region by region (one run each, or block by block when scattered)."""
-    result = {}
-    for size in sizes:
-        copies = _copies(per_region[size], args.scattered)
-        spans = []
-        for copy in copies:
-            layer, kind = int(copy.region.split(".")[1]), "kv".index(copy.region[-1])
-            dst, src = local[layer][kind], source[layer][kind]
-            if args.scattered:
-                spans += [
-                    (dst[b].data_ptr(), src[b].data_ptr(), BLOCK_BYTES) for b in copy.dst_block_ids
-                ]
-            else:
-                n = len(copy.dst_block_ids)
-                spans.append((dst.data_ptr(), src.data_ptr(), n * BLOCK_BYTES))
+    spans = []
+    for copy in _copies(blocks_per_region, scattered):
+        layer, kind = int(copy.region.split(".")[1]), "kv".index(copy.region[-1])
+        dst, src = local[layer][kind], source[layer][kind]
+        if scattered:
+            spans += [
+                (dst[b].data_ptr(), src[b].data_ptr(), BLOCK_BYTES) for b in copy.dst_block_ids
+            ]
+        else:
+            spans.append((dst.data_ptr(), src.data_ptr(), len(copy.dst_block_ids) * BLOCK_BYTES))
 
-        def copy_all(spans: list[tuple[int, int, int]] = spans) -> None:
-            for dst_ptr, src_ptr, nbytes in spans:
-                ctypes.memmove(dst_ptr, src_ptr, nbytes)
+    def copy_all() -> None:
+        for dst_ptr, src_ptr, nbytes in spans:
+            ctypes.memmove(dst_ptr, src_ptr, nbytes)
 
-        times = _time(copy_all, args.iterations, warmup=2)
-        result[f"{size} MiB"] = size * (1 << 20) / statistics.median(times) / 1e9
-    return result
+    return copy_all
 
 
-def _mooncake_raw_rtt(peer: EndpointDescriptor, iterations: int) -> tuple[float, float]:
-    from mooncake.engine import TransferEngine
+class _MooncakeRaw:
+    """Mooncake's own API, no transport around it: the reference 4 KiB read."""
 
-    engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("mooncake initialize failed")
-    buffer = torch.zeros(RTT_BYTES, dtype=torch.uint8)
-    engine.register_memory(buffer.data_ptr(), RTT_BYTES)
-    session = peer.extra["session"]
-    remote = peer.extra["region_addrs"][peer.region_index("rtt")]
+    def __init__(self, peer: EndpointDescriptor) -> None:
+        from mooncake.engine import TransferEngine
 
-    def read() -> None:
-        if (
-            engine.batch_transfer_sync_read(session, [buffer.data_ptr()], [remote], [RTT_BYTES])
-            != 0
-        ):
+        self._engine = TransferEngine()
+        if self._engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("mooncake initialize failed")
+        self._buffer = torch.zeros(RTT_BYTES, dtype=torch.uint8)
+        self._engine.register_memory(self._buffer.data_ptr(), RTT_BYTES)
+        self._session = peer.extra["session"]
+        self._remote = peer.extra["region_addrs"][peer.region_index("rtt")]
+
+    def read(self) -> None:
+        rc = self._engine.batch_transfer_sync_read(
+            self._session, [self._buffer.data_ptr()], [self._remote], [RTT_BYTES]
+        )
+        if rc != 0:
             raise RuntimeError("mooncake raw read failed")
 
-    try:
-        return _percentiles(_time(read, iterations, warmup=50))
-    finally:
-        engine.unregister_memory(buffer.data_ptr())
+    def close(self) -> None:
+        self._engine.unregister_memory(self._buffer.data_ptr())
+        del self._engine
 
 
 def _summary(
@@ -318,7 +327,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['load_average'][0]:.2f}; {layout['layers']} layers x {{k,v}} regions, "
         f"{layout['block_bytes'] // 1024} KiB blocks, "
         f"{'scattered (every other block)' if layout['scattered'] else 'contiguous'} ids; "
-        f"median of {result['iterations']} pulls",
+        f"median of {result['iterations']} interleaved pulls",
         f"{'throughput GB/s':<40}" + "".join(f"{h:>26}" for h in head),
     ]
     for row in result["rows"]:
@@ -350,7 +359,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-mib", default="4,64", help="comma-separated sizes in MiB")
-    parser.add_argument("--iterations", type=int, default=15, help="timed pulls per size")
+    parser.add_argument("--iterations", type=int, default=25, help="timed pulls per size")
     parser.add_argument("--rtt-iterations", type=int, default=1000, help="timed 4 KiB pulls")
     parser.add_argument(
         "--transports",

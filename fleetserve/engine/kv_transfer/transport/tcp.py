@@ -2,16 +2,20 @@
 
 Each engine runs a `TcpServer` over its registered regions and keeps `PeerLink`s (persistent
 lanes) to the peers it pulls from or pushes to. A transfer is planned into runs (contiguous on
-both sides), cut into chunks of at most `chunk_bytes` spread over the lanes, and admitted under
-`max_inflight_tasks` / `max_inflight_bytes`. Layers are queued in order, so layer 0 lands first
-and `wait_layer(0)` returns while later layers still move. A push sends a NOTIFY per layer once
-the layer's writes are acknowledged.
+both sides), grouped per layer into requests of at most `chunk_bytes` (one request carries
+many runs: scatter-gather), spread over the lanes and admitted under `max_inflight_tasks` /
+`max_inflight_bytes`. Layers are queued in order, so layer 0 lands first and `wait_layer(0)`
+returns while later layers still move. A push sends a NOTIFY per layer once the layer's writes
+are acknowledged.
 
 Same-host fast path: when the peer's `host_identity` equals ours and the peer's side of the
 transfer (the source of a pull, the destination of a push) lives in a `SharedKVArena`, the lane
-maps the peer's arena and copies each run with one memcpy, after the peer VALIDATEd the ranges
-(a pull) or accepted a BEGIN (a push), so stale namespaces and bad ranges are refused there too.
-If the mapping cannot be opened, the link falls back to the socket for good.
+maps the peer's arena and copies each run with one memcpy. A push copies only after the peer
+accepted a BEGIN (namespace, ranges, revocation) and ends with END. A pull copies after the peer
+VALIDATEd namespace and ranges, or at once when the lane's connection already carried an answer
+for that namespace (the connection cannot outlive the incarnation it reached), so that a
+same-host pull needs no help from the peer's CPU. If the mapping cannot be opened, the link
+falls back to the socket for good.
 """
 
 from __future__ import annotations
