@@ -69,6 +69,9 @@ __all__ = ["TcpConfig", "TcpTransport"]
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
+MAX_REQUEST_BYTES = 1 << 30
+"""The largest request a server accepts (a sanity bound: nothing is allocated from it), so that
+peers configured with different chunk sizes still understand each other."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,10 @@ class TcpConfig:
         for name in ("connect_timeout", "progress_timeout", "transfer_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TcpConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.chunk_bytes > MAX_REQUEST_BYTES:
+            raise ValueError(
+                f"TcpConfig.chunk_bytes must be <= {MAX_REQUEST_BYTES}, got {self.chunk_bytes}"
+            )
         if max(self.chunk_bytes, self.same_host_chunk_bytes) > self.max_inflight_bytes:
             raise ValueError(
                 f"TcpConfig.chunk_bytes ({self.chunk_bytes}) and same_host_chunk_bytes "
@@ -161,7 +168,7 @@ class TcpTransport(KVTransport):
             regions=lambda: self._region_list,
             progress_timeout=self.config.progress_timeout,
             max_connections=self.config.max_connections,
-            max_request_bytes=max(self.config.chunk_bytes, 1 << 24),
+            max_request_bytes=MAX_REQUEST_BYTES,
         )
         self._host = advertise_host or host
 
