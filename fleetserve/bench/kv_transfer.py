@@ -14,8 +14,9 @@ is the consumer and pulls blocks from it:
 Layout: 4 layers x {k, v} regions of 32 KiB blocks (16 tokens x 8 KV heads x 128 x bf16),
 contiguous block ids (one run per region; `--scattered` takes every other block instead, so
 nothing coalesces). Each figure is the median of `--iterations` timed pulls, after warm-up
-pulls whose bytes are checked against the producer's; all cases are timed round-robin, one
-pull each per round, so that load from elsewhere on the machine hits them alike.
+pulls whose bytes are checked against the producer's. The timed pulls are spread over
+`--passes` passes over all cases (each case back to back within a pass, after untimed warm-up
+pulls), so that load from elsewhere on the machine hits every case alike.
 """
 
 from __future__ import annotations
@@ -100,21 +101,24 @@ def _copies(blocks_per_region: int, scattered: bool) -> list[BlockCopy]:
     return [BlockCopy(kv_region_name(layer, k), ids, ids) for layer in range(LAYERS) for k in "kv"]
 
 
-def _interleaved(
-    cases: dict[tuple[str, str], Callable[[], None]], rounds: int, warmup: int
+def _timed_passes(
+    cases: dict[tuple[str, str], Callable[[], None]], iterations: int, passes: int, warmup: int
 ) -> dict[tuple[str, str], list[float]]:
-    """Time every case once per round, rotating the order: on a shared machine a burst of
-    load then hits all cases alike instead of whichever ran during it."""
+    """Time `iterations` calls of every case, spread over `passes` passes over all cases. In a
+    pass each case runs `warmup` untimed calls, then its share of timed calls back to back
+    (steady state); passes rotate the order, so a burst of load from elsewhere on the machine
+    lands on all cases alike instead of on whichever ran during it."""
     keys = list(cases)
-    for _ in range(warmup):
-        for key in keys:
-            cases[key]()
     times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
-    for r in range(rounds):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            start = time.perf_counter()
-            cases[key]()
-            times[key].append(time.perf_counter() - start)
+    per_pass = [iterations // passes + (p < iterations % passes) for p in range(passes)]
+    for p, count in enumerate(per_pass):
+        for key in keys[p % len(keys) :] + keys[: p % len(keys)]:
+            for _ in range(warmup):
+                cases[key]()
+            for _ in range(count):
+                start = time.perf_counter()
+                cases[key]()
+                times[key].append(time.perf_counter() - start)
     return times
 
 
@@ -218,8 +222,8 @@ def _measure(
         if "mooncake" in args.transports:
             raw = _MooncakeRaw(peers["mooncake"])
             small[("mooncake raw batch_transfer_sync_read", "4 KiB")] = raw.read
-        bulk_times = _interleaved(bulk, args.iterations, warmup=2)
-        small_times = _interleaved(small, args.rtt_iterations, warmup=50)
+        bulk_times = _timed_passes(bulk, args.iterations, args.passes, warmup=2)
+        small_times = _timed_passes(small, args.rtt_iterations, args.passes, warmup=20)
         if raw is not None:
             raw.close()
     finally:
@@ -308,6 +312,7 @@ def _summary(
             "scattered": args.scattered,
         },
         "iterations": args.iterations,
+        "passes": args.passes,
         "rtt_iterations": args.rtt_iterations,
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
@@ -327,7 +332,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['load_average'][0]:.2f}; {layout['layers']} layers x {{k,v}} regions, "
         f"{layout['block_bytes'] // 1024} KiB blocks, "
         f"{'scattered (every other block)' if layout['scattered'] else 'contiguous'} ids; "
-        f"median of {result['iterations']} interleaved pulls",
+        f"median of {result['iterations']} pulls in {result['passes']} passes",
         f"{'throughput GB/s':<40}" + "".join(f"{h:>26}" for h in head),
     ]
     for row in result["rows"]:
@@ -362,6 +367,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=25, help="timed pulls per size")
     parser.add_argument("--rtt-iterations", type=int, default=1000, help="timed 4 KiB pulls")
     parser.add_argument(
+        "--passes", type=int, default=5, help="passes over all cases the iterations spread over"
+    )
+    parser.add_argument(
         "--transports",
         default="tcp,tcp-shm,mooncake",
         help="comma-separated subset of tcp,tcp-shm,mooncake",
@@ -377,8 +385,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = sorted(set(chosen) - {"tcp", "tcp-shm", "mooncake"})
     if unknown:
         raise ValueError(f"--transports: unknown {unknown}; choose from tcp, tcp-shm, mooncake")
-    if args.iterations < 1 or args.rtt_iterations < 1:
-        raise ValueError("--iterations and --rtt-iterations must be >= 1")
+    if args.passes < 1 or min(args.iterations, args.rtt_iterations) < args.passes:
+        raise ValueError("--passes must be >= 1, and --iterations, --rtt-iterations >= --passes")
     args.transports = chosen
     result = run(args)
     print(format_table(result))

@@ -16,7 +16,8 @@ def test_bench_prints_every_transport_memcpy_and_round_trips(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "kv.json"
-    argv = ["--sizes-mib", "1,2", "--iterations", "2", "--rtt-iterations", "20", "--json", str(out)]
+    argv = ["--sizes-mib", "1,2", "--iterations", "2", "--rtt-iterations", "20", "--passes", "2"]
+    argv += ["--json", str(out)]
     assert main(argv) == 0
     table = capsys.readouterr().out
     for name in ("tcp", "tcp same-host (shm)", "mooncake (tcp)", "memcpy (1 thread)"):
@@ -39,4 +40,7 @@ def test_bench_prints_every_transport_memcpy_and_round_trips(
 def test_bench_is_registered_and_checks_its_arguments() -> None:
     args = build_parser().parse_args(["bench", "kv-transfer", "--transports", "tcp,nixl"])
     with pytest.raises(ValueError, match=r"--transports: unknown \['nixl'\]"):
+        args.func(args)
+    args = build_parser().parse_args(["bench", "kv-transfer", "--iterations", "3"])
+    with pytest.raises(ValueError, match="--iterations, --rtt-iterations >= --passes"):
         args.func(args)
