@@ -44,6 +44,12 @@ def _cmd_bench_pd_handover(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
+    from fleetserve.bench.kv_transfer import run_from_args
+
+    return run_from_args(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from fleetserve.bench.serve import run_from_args
 
@@ -88,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_decode_arguments(decode)
     decode.set_defaults(func=_cmd_bench_decode)
+    from fleetserve.bench.kv_transfer import add_arguments as add_kv_transfer_arguments
+
+    kv_transfer = bench_sub.add_parser(
+        "kv-transfer", help="KV-block throughput and 4 KiB round trip of tcp, shm and mooncake"
+    )
+    add_kv_transfer_arguments(kv_transfer)
+    kv_transfer.set_defaults(func=_cmd_bench_kv_transfer)
 
     from fleetserve.bench.pd_handover import add_arguments as add_handover_arguments
 

@@ -40,8 +40,13 @@ def make_local(kind: str, engine_id: str = "local", **options) -> KVTransport:
 
 
 def start_pair(kind: str, *, local_options=None, peer_options=None, layers=3, num_blocks=24):
-    peer = Peer.start(transport_kind(kind), layers=layers, num_blocks=num_blocks,
-                      shared=kind == "tcp-shm", options=peer_options)
+    peer = Peer.start(
+        transport_kind(kind),
+        layers=layers,
+        num_blocks=num_blocks,
+        shared=kind == "tcp-shm",
+        options=peer_options,
+    )
     local = make_local(kind, **(local_options or {}))
     caches, _ = random_kv(layers, num_blocks + 8, seed=2)
     local.register_kv_caches(caches)
@@ -73,10 +78,18 @@ def random_copies(
             run = count // 2
             s0, d0 = rng.randrange(src_blocks - run), rng.randrange(dst_blocks - run)
             src_run, dst_run = list(range(s0, s0 + run)), list(range(d0, d0 + run))
-            rest = [(s, d) for s, d in zip(src, dst, strict=True)
-                    if s not in src_run and d not in dst_run][: count - run]
-            copies.append(BlockCopy(kv_region_name(layer, kind), src_run + [s for s, _ in rest],
-                                    dst_run + [d for _, d in rest]))
+            rest = [
+                (s, d)
+                for s, d in zip(src, dst, strict=True)
+                if s not in src_run and d not in dst_run
+            ][: count - run]
+            copies.append(
+                BlockCopy(
+                    kv_region_name(layer, kind),
+                    src_run + [s for s, _ in rest],
+                    dst_run + [d for _, d in rest],
+                )
+            )
     return copies
 
 

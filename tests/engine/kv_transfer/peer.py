@@ -59,11 +59,22 @@ def build_transport(kind: str, engine_id: str, options: dict[str, Any]) -> KVTra
     return make_transport("tcp", engine_id, config=config, **options)
 
 
+def _drop_after(transport, served: int) -> None:
+    """Tear the server's connections down once it answered `served` requests."""
+    while transport.stats().served_requests < served:
+        time.sleep(0)  # yield the GIL to the serving threads, then look again
+    transport.drop_connections()
+
+
 def _serve(conn, kind, engine_id, options, layers, num_blocks, seed, shared, interleaved) -> None:
-    transport = build_transport(kind, engine_id, options)
-    caches, arena = random_kv(layers, num_blocks, seed, shared, interleaved)
-    transport.register_kv_caches(caches, shared=arena)
-    conn.send(transport.descriptor().to_dict())
+    try:
+        transport = build_transport(kind, engine_id, options)
+        caches, arena = random_kv(layers, num_blocks, seed, shared, interleaved)
+        transport.register_kv_caches(caches, shared=arena)
+    except Exception as e:
+        conn.send(("error", repr(e)))
+        raise
+    conn.send(("ready", transport.descriptor().to_dict()))
     while True:
         command, *args = conn.recv()
         if command == "exit":
@@ -81,14 +92,7 @@ def _serve(conn, kind, engine_id, options, layers, num_blocks, seed, shared, int
         elif command == "revoke":
             conn.send(transport.revoke_pushes(*args))
         elif command == "drop_after":
-            served = args[0]
-
-            def drop_later() -> None:
-                while transport.stats().served_requests < served:
-                    time.sleep(0.0001)
-                transport.drop_connections()  # type: ignore[attr-defined]
-
-            threading.Thread(target=drop_later, daemon=True).start()
+            threading.Thread(target=_drop_after, args=(transport, args[0]), daemon=True).start()
             conn.send(None)
         elif command == "arena_path":
             conn.send(str(arena.path) if arena else None)
@@ -119,15 +123,28 @@ class Peer:
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_serve,
-            args=(child, kind, engine_id, options or {}, layers, num_blocks, seed, shared,
-                  interleaved),
+            args=(
+                child,
+                kind,
+                engine_id,
+                options or {},
+                layers,
+                num_blocks,
+                seed,
+                shared,
+                interleaved,
+            ),
             daemon=True,
         )
         process.start()
         if not parent.poll(60):
             process.kill()
             raise TimeoutError("peer did not start within 60 s")
-        return cls(process, parent, EndpointDescriptor.from_dict(parent.recv()))
+        outcome, payload = parent.recv()
+        if outcome != "ready":
+            process.join(10)
+            raise RuntimeError(f"peer failed to start: {payload}")
+        return cls(process, parent, EndpointDescriptor.from_dict(payload))
 
     def call(self, *command: Any, timeout: float = 30.0) -> Any:
         self.conn.send(command)
@@ -146,7 +163,8 @@ class Peer:
             states = []
             for task in os.listdir(f"/proc/{self.process.pid}/task"):
                 try:
-                    stat = open(f"/proc/{self.process.pid}/task/{task}/stat").read()
+                    with open(f"/proc/{self.process.pid}/task/{task}/stat") as f:
+                        stat = f.read()
                 except OSError:
                     continue
                 states.append(stat.rsplit(")", 1)[1].split()[0])

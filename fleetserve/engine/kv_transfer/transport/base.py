@@ -182,11 +182,15 @@ class EndpointDescriptor:
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Transport-specific, JSON-safe (tcp: the shared-memory files; mooncake: its session id and
     the regions' addresses)."""
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {r.name: i for i, r in enumerate(self.regions)})
 
     def region_index(self, name: str) -> int:
-        for index, region in enumerate(self.regions):
-            if region.name == name:
-                return index
+        index = self._index.get(name)
+        if index is not None:
+            return index
         known = ", ".join(r.name for r in self.regions[:8])
         raise ValueError(
             f"peer engine {self.engine_id!r} has no region {name!r} (it has {known}"

@@ -44,8 +44,18 @@ class Runner(Protocol):
 class Task:
     """One unit of work of a transfer, run by a lane or a worker thread."""
 
-    __slots__ = ("abortable", "admitted", "bounded", "dispatch", "layer", "nbytes", "runner",
-                 "state", "transfer", "work")
+    __slots__ = (
+        "abortable",
+        "admitted",
+        "bounded",
+        "dispatch",
+        "layer",
+        "nbytes",
+        "runner",
+        "state",
+        "transfer",
+        "work",
+    )
 
     def __init__(
         self,
@@ -295,8 +305,9 @@ class Transfer(TransferHandle):
     def wait_layer(self, layer: int, timeout: float | None = None) -> TransferState:
         with self._cond:
             if layer not in self._layers:
-                raise ValueError(f"layer {layer} is not part of this transfer "
-                                 f"(layers {sorted(self._layers)})")
+                raise ValueError(
+                    f"layer {layer} is not part of this transfer (layers {sorted(self._layers)})"
+                )
             self._cond.wait_for(
                 lambda: self._layer_state(layer) is not TransferState.PENDING, timeout
             )

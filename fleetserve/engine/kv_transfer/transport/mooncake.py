@@ -102,8 +102,9 @@ class MooncakeTransport(KVTransport):
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if workers < 1 or not transfer_timeout > 0:
-            raise ValueError(f"need workers >= 1 and transfer_timeout > 0, got {workers}, "
-                             f"{transfer_timeout}")
+            raise ValueError(
+                f"need workers >= 1 and transfer_timeout > 0, got {workers}, {transfer_timeout}"
+            )
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -114,11 +115,13 @@ class MooncakeTransport(KVTransport):
         if engine_timeout_s is not None:
             # Mooncake reads it in the engine's constructor (process-wide, minimum 5 s).
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, engine_timeout_s))
-        self._engine = TransferEngine()
+        self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise RuntimeError(f"mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, "
-                               f"{protocol!r}) failed with {rc}")
+            raise RuntimeError(
+                f"mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, "
+                f"{protocol!r}) failed with {rc}"
+            )
         self._host = host
         self._rpc_port = int(self._engine.get_rpc_port())
         self._transfer_timeout = transfer_timeout
@@ -130,6 +133,7 @@ class MooncakeTransport(KVTransport):
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
         self._region_list: list[Region] = []
+        self._spans: list[tuple[int, int]] = []
         self._revoked: set[str] = set()
         self._in_flight: dict[str, int] = {}
         self._done = self._failed = self._bytes_moved = 0
@@ -139,8 +143,9 @@ class MooncakeTransport(KVTransport):
         self._cond = threading.Condition()
         self._queue: deque[Task] = deque()
         self._workers = [
-            threading.Thread(target=self._work_loop, args=(i,), daemon=True,
-                             name=f"kv-mooncake-{engine_id}-{i}")
+            threading.Thread(
+                target=self._work_loop, args=(i,), daemon=True, name=f"kv-mooncake-{engine_id}-{i}"
+            )
             for i in range(workers)
         ]
         for thread in self._workers:
@@ -160,9 +165,21 @@ class MooncakeTransport(KVTransport):
         with self._lock:
             if name in self._regions:
                 raise ValueError(f"region {name!r} is already registered")
-            self._register(region.base_ptr, len(region.view), f"region {name!r}")
+            self._register_span(region.base_ptr, region.base_ptr + len(region.view), name)
             self._regions[name] = region
             self._region_list = [*self._region_list, region]
+
+    def _register_span(self, start: int, end: int, name: str) -> None:
+        """Register [start, end) with Mooncake, which refuses overlapping registrations (the
+        keys and values of an interleaved layout overlap): merge with what overlaps it."""
+        overlapping = [(s, e) for s, e in self._spans if s < end and start < e]
+        for s, e in overlapping:
+            self._engine.unregister_memory(s)
+            self._spans.remove((s, e))
+        start = min([start, *(s for s, _ in overlapping)])
+        end = max([end, *(e for _, e in overlapping)])
+        self._register(start, end - start, f"region {name!r}")
+        self._spans.append((start, end))
 
     def descriptor(self) -> EndpointDescriptor:
         regions = self._region_list
@@ -216,9 +233,15 @@ class MooncakeTransport(KVTransport):
         runs = _plan(direction, self._regions, peer, copies)
         deadline = time.monotonic() + (timeout if timeout is not None else self._transfer_timeout)
         transfer = Transfer(
-            next(self._ids), peer.engine_id, layers={r.layer for r in runs},
-            total_bytes=sum(r.nbytes for r in runs), num_descriptors=len(runs), same_host=False,
-            deadline=deadline, admission=self._admission, on_finish=self._finished,
+            next(self._ids),
+            peer.engine_id,
+            layers={r.layer for r in runs},
+            total_bytes=sum(r.nbytes for r in runs),
+            num_descriptors=len(runs),
+            same_host=False,
+            deadline=deadline,
+            admission=self._admission,
+            on_finish=self._finished,
         )
         by_layer: dict[int, list[Run]] = {}
         for run in runs:
@@ -231,11 +254,21 @@ class MooncakeTransport(KVTransport):
                 local.append(run.local.base_ptr + run.local_start * run.local.block_stride)
                 remote.append(addrs[run.remote_index] + run.remote_start * stride)
                 lengths.append((run.num_blocks - 1) * stride + run.local.block_bytes)
-            work = _Work(session, namespace, cell_addr, direction == "push", local, remote,
-                         lengths, tag, layer)
+            work = _Work(
+                session,
+                namespace,
+                cell_addr,
+                direction == "push",
+                local,
+                remote,
+                lengths,
+                tag,
+                layer,
+            )
             nbytes = sum(r.nbytes for r in layer_runs)
-            transfer.add_task(Task(transfer, layer, nbytes, work, self._enqueue,
-                                   abortable=False, bounded=False))
+            transfer.add_task(
+                Task(transfer, layer, nbytes, work, self._enqueue, abortable=False, bounded=False)
+            )
         with self._lock:
             self._in_flight[peer.engine_id] = self._in_flight.get(peer.engine_id, 0) + 1
         tasks = transfer.start()
@@ -274,26 +307,36 @@ class MooncakeTransport(KVTransport):
         if failure is not None:
             return failure
         if work.push:
-            rc = self._engine.batch_transfer_sync_write(work.session, work.local, work.remote,
-                                                        work.lengths)
+            rc = self._engine.batch_transfer_sync_write(
+                work.session, work.local, work.remote, work.lengths
+            )
         else:
-            rc = self._engine.batch_transfer_sync_read(work.session, work.local, work.remote,
-                                                       work.lengths)
+            rc = self._engine.batch_transfer_sync_read(
+                work.session, work.local, work.remote, work.lengths
+            )
         if rc != 0:
             stage = FailureStage.SEND if work.push else FailureStage.RECEIVE
-            return TransferFailure(stage, f"mooncake batch {'write' if work.push else 'read'} "
-                                   f"of layer {work.layer} ({len(work.lengths)} runs) with "
-                                   f"{work.session} failed ({rc}); not retried", quiesced=False)
+            return TransferFailure(
+                stage,
+                f"mooncake batch {'write' if work.push else 'read'} "
+                f"of layer {work.layer} ({len(work.lengths)} runs) with "
+                f"{work.session} failed ({rc}); not retried",
+                quiesced=False,
+            )
         if work.push:
             # Sent once the write completed, so the peer never sees it before the bytes.
-            notify = TransferNotify(work.tag, json.dumps({"ns": work.namespace.hex(),
-                                                          "layer": work.layer}))
-            rc = self._engine.transfer_sync(work.session, scratch, work.cell_addr, _NS,
-                                            TransferOpcode.Read, notify)
+            notify = TransferNotify(
+                work.tag, json.dumps({"ns": work.namespace.hex(), "layer": work.layer})
+            )
+            rc = self._engine.transfer_sync(
+                work.session, scratch, work.cell_addr, _NS, TransferOpcode.Read, notify
+            )
             if rc != 0:
-                return TransferFailure(FailureStage.SEND, f"mooncake notification of layer "
-                                       f"{work.layer} to {work.session} failed ({rc})",
-                                       quiesced=True)
+                return TransferFailure(
+                    FailureStage.SEND,
+                    f"mooncake notification of layer {work.layer} to {work.session} failed ({rc})",
+                    quiesced=True,
+                )
         return None
 
     def _check_namespace(
@@ -302,12 +345,19 @@ class MooncakeTransport(KVTransport):
         view.zero_()
         rc = self._engine.batch_transfer_sync_read(work.session, [scratch], [work.cell_addr], [_NS])
         if rc != 0:
-            return TransferFailure(FailureStage.CONNECT, f"cannot read the namespace of "
-                                   f"{work.session} ({rc})", quiesced=True)
+            return TransferFailure(
+                FailureStage.CONNECT,
+                f"cannot read the namespace of {work.session} ({rc})",
+                quiesced=True,
+            )
         if bytes(view.tolist()) != work.namespace:
-            return TransferFailure(FailureStage.REJECTED, f"peer at {work.session} has another "
-                                   "namespace (it restarted since the handshake): stale "
-                                   "descriptor refused", quiesced=True)
+            return TransferFailure(
+                FailureStage.REJECTED,
+                f"peer at {work.session} has another "
+                "namespace (it restarted since the handshake): stale "
+                "descriptor refused",
+                quiesced=True,
+            )
         return None
 
     def _finished(self, transfer: Transfer) -> None:
@@ -357,10 +407,15 @@ class MooncakeTransport(KVTransport):
         admission = self._admission
         with self._lock:
             return TransportStats(
-                inflight_tasks=admission.tasks, inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks, peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done, transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved, served_requests=0, rejected_requests=0,
+                inflight_tasks=admission.tasks,
+                inflight_bytes=admission.bytes,
+                peak_inflight_tasks=admission.peak_tasks,
+                peak_inflight_bytes=admission.peak_bytes,
+                transfers_done=self._done,
+                transfers_failed=self._failed,
+                bytes_moved=self._bytes_moved,
+                served_requests=0,
+                rejected_requests=0,
             )
 
     def close(self) -> None:
@@ -376,17 +431,26 @@ class MooncakeTransport(KVTransport):
         for thread in self._workers:
             thread.join(timeout=60.0)
         self._watchdog.stop()
-        for region in self._region_list:
-            self._engine.unregister_memory(region.base_ptr)
+        engine, self._engine = self._engine, None
+        for start, _ in self._spans:
+            engine.unregister_memory(start)
+        engine.unregister_memory(self._cells.data_ptr())
+        # Mooncake's engine shuts down in its destructor, holding the GIL for about half a
+        # second: do it here, where the caller expects to wait, not at a random collection.
+        del engine
 
 
 def _peer_fields(peer: EndpointDescriptor) -> tuple[str, int, list[int]]:
     extra: dict[str, Any] = dict(peer.extra)
     session, cell, addrs = extra.get("session"), extra.get("cell_addr"), extra.get("region_addrs")
     if not isinstance(session, str) or not isinstance(cell, int) or not isinstance(addrs, list):
-        raise ValueError(f"peer {peer.engine_id!r}: a mooncake descriptor needs extra.session, "
-                         f"extra.cell_addr and extra.region_addrs, got {sorted(extra)}")
+        raise ValueError(
+            f"peer {peer.engine_id!r}: a mooncake descriptor needs extra.session, "
+            f"extra.cell_addr and extra.region_addrs, got {sorted(extra)}"
+        )
     if len(addrs) != len(peer.regions):
-        raise ValueError(f"peer {peer.engine_id!r}: {len(addrs)} region addresses for "
-                         f"{len(peer.regions)} regions")
+        raise ValueError(
+            f"peer {peer.engine_id!r}: {len(addrs)} region addresses for "
+            f"{len(peer.regions)} regions"
+        )
     return session, cell, addrs

@@ -7,9 +7,11 @@ both engines, ordered by layer so that layer 0 moves first.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
+
+import numpy as np
 
 from fleetserve.engine.kv_transfer.transport.base import BlockCopy, EndpointDescriptor, RegionInfo
 
@@ -18,7 +20,16 @@ if TYPE_CHECKING:
 
     from fleetserve.engine.kv_transfer.transport.shm import SharedKVArena
 
-__all__ = ["Direction", "Region", "Run", "coalesce", "make_region", "plan_transfer", "split_run"]
+__all__ = [
+    "Direction",
+    "Region",
+    "Run",
+    "coalesce",
+    "group_runs",
+    "make_region",
+    "plan_transfer",
+    "split_run",
+]
 
 Direction = Literal["pull", "push"]
 
@@ -78,8 +89,10 @@ def make_region(
             "with its CUDA build)"
         )
     if tensor.dim() < 1 or tensor.shape[0] < 1:
-        raise ValueError(f"region {name!r}: need a tensor with a block dimension, got shape "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"region {name!r}: need a tensor with a block dimension, got shape "
+            f"{tuple(tensor.shape)}"
+        )
     element = tensor.element_size()
     block = tensor[0]
     if not block.is_contiguous():
@@ -130,24 +143,67 @@ class Run:
         return self.num_blocks * self.local.block_bytes
 
 
-def coalesce(src: Sequence[int], dst: Sequence[int], *, allow: bool = True) -> list[list[int]]:
-    """Group (src[i], dst[i]) pairs into runs [src_start, dst_start, length], consecutive on
-    both sides (sorted by source). With `allow=False` every pair is its own run."""
-    runs: list[list[int]] = []
-    for s, d in sorted(zip(src, dst, strict=True)):
-        if allow and runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
+_VECTOR_MIN = 256
+"""From this many ids on, numpy beats a Python loop (below, its per-call cost dominates)."""
+
+
+def coalesce(
+    src: Sequence[int], dst: Sequence[int], *, allow: bool = True
+) -> list[tuple[int, int, int]]:
+    """Group (src[i], dst[i]) pairs into runs (src_start, dst_start, length), consecutive on
+    both sides (sorted by source). With `allow=False` every pair is its own run.
+
+    A 5k-token prompt in blocks of 16 is 10^4 ids per transfer, hence the vectorised path."""
+    if len(src) >= _VECTOR_MIN:
+        s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        order = np.lexsort((d, s))
+        s, d = s[order], d[order]
+        if allow:
+            breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
         else:
-            runs.append([s, d, 1])
+            breaks = np.arange(1, s.size)
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [s.size])))
+        return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
+    runs: list[tuple[int, int, int]] = []
+    for s0, d0 in sorted(zip(src, dst, strict=True)):
+        if allow and runs:
+            start_s, start_d, length = runs[-1]
+            if s0 == start_s + length and d0 == start_d + length:
+                runs[-1] = (start_s, start_d, length + 1)
+                continue
+        runs.append((s0, d0, 1))
     return runs
 
 
-def _check_ids(ids: Iterable[int], num_blocks: int, what: str) -> None:
+def _check_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
+    """Ints in [0, num_blocks) (checked with C-level passes: min, max, the set of types)."""
+    if not len(ids):
+        return
+    if isinstance(ids, range):
+        if ids.step > 0 and ids.start >= 0 and ids[-1] < num_blocks:
+            return
+    elif set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:
+        return
     for block in ids:
         if not isinstance(block, int) or isinstance(block, bool):
             raise ValueError(f"{what}: block ids must be ints, got {block!r}")
         if not 0 <= block < num_blocks:
             raise ValueError(f"{what}: block id {block} out of range [0, {num_blocks})")
+
+
+def _consecutive(ids: Sequence[int]) -> int | None:
+    """The first id when `ids` is first, first + 1, ... (non-negative ints), else None."""
+    if not len(ids):
+        return None
+    if isinstance(ids, range):
+        return ids.start if ids.step == 1 and ids.start >= 0 else None
+    first = ids[0]
+    if type(first) is not int or first < 0 or ids[-1] - first != len(ids) - 1:
+        return None
+    if list(ids) != list(range(first, first + len(ids))) or set(map(type, ids)) != {int}:
+        return None
+    return first
 
 
 def plan_transfer(
@@ -162,7 +218,7 @@ def plan_transfer(
     Returns the runs ordered by (layer, region, start).
     """
     runs: list[Run] = []
-    destinations: dict[str, set[int]] = {}
+    destinations: dict[str, list[Sequence[int]]] = {}
     for copy in copies:
         local = regions.get(copy.region)
         if local is None:
@@ -175,22 +231,36 @@ def plan_transfer(
                 f"region {copy.region!r}: local blocks are {local.block_bytes} B (layer "
                 f"{local.layer}), the peer's {remote.block_bytes} B (layer {remote.layer})"
             )
-        local_ids, remote_ids = (
-            (copy.dst_block_ids, copy.src_block_ids)
+        src_blocks, dst_blocks = (
+            (remote.num_blocks, local.num_blocks)
             if direction == "pull"
-            else (copy.src_block_ids, copy.dst_block_ids)
+            else (local.num_blocks, remote.num_blocks)
         )
-        _check_ids(local_ids, local.num_blocks, f"region {copy.region!r} (local)")
-        _check_ids(remote_ids, remote.num_blocks, f"region {copy.region!r} (peer)")
-        seen = destinations.setdefault(copy.region, set())
-        for block in copy.dst_block_ids:
-            if block in seen:
-                raise ValueError(f"region {copy.region!r}: destination block {block} given twice")
-            seen.add(block)
+        destinations.setdefault(copy.region, []).append(copy.dst_block_ids)
         contiguous = local.contiguous and remote.block_stride == remote.block_bytes
-        for src, dst, length in coalesce(copy.src_block_ids, copy.dst_block_ids, allow=contiguous):
-            local_start, remote_start = (dst, src) if direction == "pull" else (src, dst)
+        n = len(copy.src_block_ids)
+        s0 = _consecutive(copy.src_block_ids) if contiguous else None
+        d0 = _consecutive(copy.dst_block_ids) if s0 is not None else None
+        if s0 is not None and d0 is not None and s0 + n <= src_blocks and d0 + n <= dst_blocks:
+            # The common case (one run each side), checked in O(1) Python steps.
+            pieces = [(s0, d0, n)]
+        else:
+            side = ("peer", "local") if direction == "pull" else ("local", "peer")
+            _check_ids(copy.src_block_ids, src_blocks, f"region {copy.region!r} ({side[0]})")
+            _check_ids(copy.dst_block_ids, dst_blocks, f"region {copy.region!r} ({side[1]})")
+            pieces = coalesce(copy.src_block_ids, copy.dst_block_ids, allow=contiguous)
+        for s, d, length in pieces:
+            local_start, remote_start = (d, s) if direction == "pull" else (s, d)
             runs.append(Run(local, remote_index, local_start, remote_start, length))
+    for region, lists in destinations.items():
+        total = sum(len(ids) for ids in lists)
+        if total > 1 and len(set().union(*lists)) != total:
+            seen: set[int] = set()
+            for block in (b for ids in lists for b in ids):
+                if block in seen:
+                    break
+                seen.add(block)
+            raise ValueError(f"region {region!r}: destination block {block} given twice")
     runs.sort(key=lambda r: (r.layer, r.remote_index, r.remote_start))
     return runs
 
@@ -209,3 +279,23 @@ def split_run(run: Run, max_bytes: int) -> list[Run]:
         )
         for offset in range(0, run.num_blocks, per_piece)
     ]
+
+
+def group_runs(runs: list[Run], max_bytes: int, max_runs: int = 1024) -> list[list[Run]]:
+    """Cut runs into pieces of at most `max_bytes` and group consecutive pieces of one layer
+    into tasks of at most `max_bytes` and `max_runs` pieces (one request each)."""
+    groups: list[list[Run]] = []
+    size = 0
+    for run in runs:
+        for piece in split_run(run, max_bytes):
+            if (
+                not groups
+                or groups[-1][0].layer != piece.layer
+                or size + piece.nbytes > max_bytes
+                or len(groups[-1]) >= max_runs
+            ):
+                groups.append([])
+                size = 0
+            groups[-1].append(piece)
+            size += piece.nbytes
+    return groups

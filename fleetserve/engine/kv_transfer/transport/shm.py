@@ -26,6 +26,7 @@ If mapping the peer's file still fails, the transport falls back to TCP for that
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -116,10 +117,8 @@ def _header(arena_id: str, size: int) -> bytes:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SharedKVArena:

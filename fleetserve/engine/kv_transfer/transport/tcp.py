@@ -2,16 +2,20 @@
 
 Each engine runs a `TcpServer` over its registered regions and keeps `PeerLink`s (persistent
 lanes) to the peers it pulls from or pushes to. A transfer is planned into runs (contiguous on
-both sides), cut into chunks of at most `chunk_bytes` spread over the lanes, and admitted under
-`max_inflight_tasks` / `max_inflight_bytes`. Layers are queued in order, so layer 0 lands first
-and `wait_layer(0)` returns while later layers still move. A push sends a NOTIFY per layer once
-the layer's writes are acknowledged.
+both sides), grouped per layer into requests of at most `chunk_bytes` (one request carries
+many runs: scatter-gather), spread over the lanes and admitted under `max_inflight_tasks` /
+`max_inflight_bytes`. Layers are queued in order, so layer 0 lands first and `wait_layer(0)`
+returns while later layers still move. A push sends a NOTIFY per layer once the layer's writes
+are acknowledged.
 
 Same-host fast path: when the peer's `host_identity` equals ours and the peer's side of the
 transfer (the source of a pull, the destination of a push) lives in a `SharedKVArena`, the lane
-maps the peer's arena and copies each run with one memcpy, after the peer VALIDATEd the ranges
-(a pull) or accepted a BEGIN (a push), so stale namespaces and bad ranges are refused there too.
-If the mapping cannot be opened, the link falls back to the socket for good.
+maps the peer's arena and copies each run with one memcpy. A push copies only after the peer
+accepted a BEGIN (namespace, ranges, revocation) and ends with END. A pull copies after the peer
+VALIDATEd namespace and ranges, or at once when the lane's connection already carried an answer
+for that namespace (the connection cannot outlive the incarnation it reached), so that a
+same-host pull needs no help from the peer's CPU. If the mapping cannot be opened, the link
+falls back to the socket for good.
 """
 
 from __future__ import annotations
@@ -46,14 +50,14 @@ from fleetserve.engine.kv_transfer.transport.plan import (
     Direction,
     Region,
     Run,
+    group_runs,
     make_region,
     plan_transfer,
-    split_run,
 )
 from fleetserve.engine.kv_transfer.transport.shm import PeerArena, host_identity
 from fleetserve.engine.kv_transfer.transport.tcp_lane import NetWork, NotifyWork, PeerLink, ShmWork
 from fleetserve.engine.kv_transfer.transport.tcp_server import TcpServer
-from fleetserve.engine.kv_transfer.transport.wire import Op, pack_ranges
+from fleetserve.engine.kv_transfer.transport.wire import Op
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +69,9 @@ __all__ = ["TcpConfig", "TcpTransport"]
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
+MAX_REQUEST_BYTES = 1 << 30
+"""The largest request a server accepts (a sanity bound: nothing is allocated from it), so that
+peers configured with different chunk sizes still understand each other."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +95,23 @@ class TcpConfig:
     """Connections the server accepts at once."""
 
     def __post_init__(self) -> None:
-        for name in ("lanes_per_peer", "chunk_bytes", "same_host_chunk_bytes",
-                     "max_inflight_tasks", "max_inflight_bytes", "max_connections"):
+        for name in (
+            "lanes_per_peer",
+            "chunk_bytes",
+            "same_host_chunk_bytes",
+            "max_inflight_tasks",
+            "max_inflight_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TcpConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("connect_timeout", "progress_timeout", "transfer_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TcpConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.chunk_bytes > MAX_REQUEST_BYTES:
+            raise ValueError(
+                f"TcpConfig.chunk_bytes must be <= {MAX_REQUEST_BYTES}, got {self.chunk_bytes}"
+            )
         if max(self.chunk_bytes, self.same_host_chunk_bytes) > self.max_inflight_bytes:
             raise ValueError(
                 f"TcpConfig.chunk_bytes ({self.chunk_bytes}) and same_host_chunk_bytes "
@@ -109,8 +126,9 @@ def _namespace_bytes(peer: EndpointDescriptor) -> bytes:
     except ValueError:
         namespace = b""
     if len(namespace) != 16:
-        raise ValueError(f"peer {peer.engine_id!r}: namespace must be 32 hex digits, got "
-                         f"{peer.namespace!r}")
+        raise ValueError(
+            f"peer {peer.engine_id!r}: namespace must be 32 hex digits, got {peer.namespace!r}"
+        )
     return namespace
 
 
@@ -144,10 +162,13 @@ class TcpTransport(KVTransport):
         self._admission = Admission(self.config.max_inflight_tasks, self.config.max_inflight_bytes)
         self._watchdog = Watchdog(f"kv-tcp-{engine_id}")
         self._server = TcpServer(
-            host, port, namespace=self._namespace, regions=lambda: self._region_list,
+            host,
+            port,
+            namespace=self._namespace,
+            regions=lambda: self._region_list,
             progress_timeout=self.config.progress_timeout,
             max_connections=self.config.max_connections,
-            max_request_bytes=max(self.config.chunk_bytes, 1 << 24),
+            max_request_bytes=MAX_REQUEST_BYTES,
         )
         self._host = advertise_host or host
 
@@ -222,36 +243,57 @@ class TcpTransport(KVTransport):
             raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'tcp'")
         runs = plan_transfer(direction, self._regions, peer, copies)
         namespace = _namespace_bytes(peer)
-        link = self._link(peer)
-        arenas = self._peer_arenas(link, peer, runs)
-        deadline = time.monotonic() + (timeout if timeout is not None
-                                       else self.config.transfer_timeout)
-        transfer = Transfer(
-            next(self._ids), peer.engine_id, layers={r.layer for r in runs},
-            total_bytes=sum(r.nbytes for r in runs), num_descriptors=len(runs),
-            same_host=arenas is not None, deadline=deadline, admission=self._admission,
-            on_finish=lambda t: self._finished(t, link),
-        )
-        if arenas is not None:
-            self._add_same_host_tasks(transfer, link, peer, runs, arenas, direction == "push",
-                                      tag, namespace)
-        else:
-            op = Op.READ if direction == "pull" else Op.WRITE
-            for run in runs:
-                for piece in split_run(run, self.config.chunk_bytes):
-                    transfer.add_task(
-                        Task(transfer, run.layer, piece.nbytes,
-                             NetWork(namespace, op, piece, tag), link.enqueue)
-                    )
-        if direction == "push":
-            for layer in sorted({r.layer for r in runs}):
-                work = NotifyWork(namespace, tag, layer)
-                transfer.add_seal(Task(transfer, layer, 0, work, link.enqueue))
-        with self._lock:
-            link.in_flight += 1
+        link = self._link(peer)  # counts this transfer in link.in_flight
+        try:
+            transfer = self._build(direction, link, peer, runs, namespace, tag, timeout)
+        except BaseException:
+            with self._lock:
+                link.in_flight -= 1
+            raise
         tasks = transfer.start()
         self._watchdog.add(transfer)
         self._admission.submit(tasks)
+        return transfer
+
+    def _build(
+        self,
+        direction: Direction,
+        link: PeerLink,
+        peer: EndpointDescriptor,
+        runs: list[Run],
+        namespace: bytes,
+        tag: bytes,
+        timeout: float | None,
+    ) -> Transfer:
+        arenas = self._peer_arenas(link, peer, runs)
+        deadline = time.monotonic() + (
+            timeout if timeout is not None else self.config.transfer_timeout
+        )
+        transfer = Transfer(
+            next(self._ids),
+            peer.engine_id,
+            layers={r.layer for r in runs},
+            total_bytes=sum(r.nbytes for r in runs),
+            num_descriptors=len(runs),
+            same_host=arenas is not None,
+            deadline=deadline,
+            admission=self._admission,
+            on_finish=lambda t: self._finished(t, link),
+        )
+        if arenas is not None:
+            self._add_same_host_tasks(
+                transfer, link, peer, runs, arenas, direction == "push", tag, namespace
+            )
+        else:
+            op = Op.READ if direction == "pull" else Op.WRITE
+            for group in group_runs(runs, self.config.chunk_bytes):
+                work = NetWork(namespace, op, group, tag)
+                nbytes = sum(piece.nbytes for piece in group)
+                transfer.add_task(Task(transfer, group[0].layer, nbytes, work, link.enqueue))
+        if direction == "push":
+            for layer in sorted({r.layer for r in runs}):
+                seal = NotifyWork(namespace, tag, layer)
+                transfer.add_seal(Task(transfer, layer, 0, seal, link.enqueue))
         return transfer
 
     def _add_same_host_tasks(
@@ -266,16 +308,7 @@ class TcpTransport(KVTransport):
         namespace: bytes,
     ) -> None:
         """Group the runs of each layer into copy tasks of at most same_host_chunk_bytes."""
-        limit = self.config.same_host_chunk_bytes
-        groups: list[list[Run]] = []
-        size = 0
-        for run in runs:
-            for piece in split_run(run, limit):
-                if not groups or groups[-1][0].layer != piece.layer or size + piece.nbytes > limit:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(piece)
-                size += piece.nbytes
+        groups = group_runs(runs, self.config.same_host_chunk_bytes)
         for group in groups:
             copies = []
             for piece in group:
@@ -285,9 +318,10 @@ class TcpTransport(KVTransport):
                 local = piece.local.base_ptr + piece.local_start * piece.local.block_stride
                 span = (piece.num_blocks - 1) * stride + piece.local.block_bytes
                 copies.append((remote, local, span) if push else (local, remote, span))
-            ranges = pack_ranges([(p.remote_index, p.remote_start, p.num_blocks) for p in group])
-            used = tuple({id(arenas[p.remote_index][0]): arenas[p.remote_index][0]
-                          for p in group}.values())
+            ranges = [(p.remote_index, p.remote_start, p.num_blocks) for p in group]
+            used = tuple(
+                {id(arenas[p.remote_index][0]): arenas[p.remote_index][0] for p in group}.values()
+            )
             work = ShmWork(namespace, push, copies, ranges, tag, used)
             nbytes = sum(p.nbytes for p in group)
             transfer.add_task(Task(transfer, group[0].layer, nbytes, work, link.enqueue))
@@ -296,8 +330,12 @@ class TcpTransport(KVTransport):
         self, link: PeerLink, peer: EndpointDescriptor, runs: list[Run]
     ) -> dict[int, tuple[PeerArena, int]] | None:
         """The peer's mapped arenas by region index, when the same-host path can carry `runs`."""
-        if (not self.config.same_host or link.same_host_failed or not runs
-                or peer.host_identity != self._host_identity):
+        if (
+            not self.config.same_host
+            or link.same_host_failed
+            or not runs
+            or peer.host_identity != self._host_identity
+        ):
             return None
         files = peer.extra.get("shm_files") or []
         placement = peer.extra.get("shm_regions") or []
@@ -315,22 +353,28 @@ class TcpTransport(KVTransport):
                 try:
                     arena = PeerArena.open(spec["path"], spec["arena_id"], spec["size"])
                 except (OSError, ValueError, RuntimeError) as e:
-                    logger.warning("same-host path to %r unavailable (%s); using TCP",
-                                   peer.engine_id, e)
+                    logger.warning(
+                        "same-host path to %r unavailable (%s); using TCP", peer.engine_id, e
+                    )
                     link.same_host_failed = True
                     return None
                 with self._lock:
                     arena = link.arenas.setdefault(key, arena)
             info = peer.regions[i]
             if offset + (info.num_blocks - 1) * info.block_stride + info.block_bytes > arena.size:
-                raise ValueError(f"peer {peer.engine_id!r}: region {info.name!r} lies outside "
-                                 f"its shared arena")
+                # The descriptor does not fit the file (it is stale or wrong): let the socket
+                # path carry the transfer, where the peer itself refuses what is out of range.
+                return None
             mapped[i] = (arena, offset)
         return mapped
 
     def _link(self, peer: EndpointDescriptor) -> PeerLink:
+        """The peer's link, with one more transfer counted in flight (so that `forget_peer`
+        cannot close it under the transfer)."""
         key = (peer.engine_id, peer.host, peer.port)
         with self._lock:
+            if self.closed:
+                raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
             link = self._links.get(key)
             if link is not None and link.peer.namespace != peer.namespace:
                 # Same address, another incarnation: each task names the namespace its plan
@@ -339,10 +383,12 @@ class TcpTransport(KVTransport):
                 link.same_host_failed = False
             if link is None:
                 link = self._links[key] = PeerLink(
-                    peer, lanes=self.config.lanes_per_peer,
+                    peer,
+                    lanes=self.config.lanes_per_peer,
                     connect_timeout=self.config.connect_timeout,
                     progress_timeout=self.config.progress_timeout,
                 )
+            link.in_flight += 1
             return link
 
     def _finished(self, transfer: Transfer, link: PeerLink) -> None:
@@ -372,8 +418,11 @@ class TcpTransport(KVTransport):
 
     def in_flight(self, peer_engine_id: str) -> int:
         with self._lock:
-            return sum(link.in_flight for (engine, _, _), link in self._links.items()
-                       if engine == peer_engine_id)
+            return sum(
+                link.in_flight
+                for (engine, _, _), link in self._links.items()
+                if engine == peer_engine_id
+            )
 
     def forget_peer(self, peer_engine_id: str) -> bool:
         with self._lock:
@@ -389,10 +438,14 @@ class TcpTransport(KVTransport):
         admission = self._admission
         with self._lock:
             return TransportStats(
-                inflight_tasks=admission.tasks, inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks, peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done, transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved, served_requests=self._server.served,
+                inflight_tasks=admission.tasks,
+                inflight_bytes=admission.bytes,
+                peak_inflight_tasks=admission.peak_tasks,
+                peak_inflight_bytes=admission.peak_bytes,
+                transfers_done=self._done,
+                transfers_failed=self._failed,
+                bytes_moved=self._bytes_moved,
+                served_requests=self._server.served,
                 rejected_requests=self._server.rejected,
             )
 

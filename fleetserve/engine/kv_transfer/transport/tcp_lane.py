@@ -14,9 +14,11 @@ copying into a peer's memory is only torn down after the copy and its END.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -33,14 +35,19 @@ from fleetserve.engine.kv_transfer.transport.handle import Task
 from fleetserve.engine.kv_transfer.transport.plan import Run
 from fleetserve.engine.kv_transfer.transport.shm import PeerArena
 from fleetserve.engine.kv_transfer.transport.wire import (
+    IOV_MAX,
     REQUEST,
     REQUEST_MAGIC,
     RESPONSE,
     RESPONSE_MAGIC,
     Op,
     Status,
+    advance,
+    pack_ranges,
     recv_exact,
+    recv_views,
     send_all,
+    set_kernel_timeouts,
 )
 
 __all__ = ["NetWork", "NotifyWork", "PeerLink", "ShmWork"]
@@ -50,13 +57,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class NetWork:
-    """A READ (pull) or WRITE (push) of one run through the socket."""
+    """A READ (pull) or WRITE (push) of some runs of one layer, in one request."""
 
     namespace: bytes
     """The peer incarnation the plan was made against (never the link's latest)."""
     op: Op
-    run: Run
+    runs: Sequence[Run]
     tag: bytes = b""
+
+    def describe(self) -> str:
+        first = self.runs[0]
+        more = f" and {len(self.runs) - 1} more runs" if len(self.runs) > 1 else ""
+        return (
+            f"region {first.local.name!r} peer blocks [{first.remote_start}, "
+            f"{first.remote_start + first.num_blocks}){more}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +92,7 @@ class ShmWork:
     namespace: bytes
     push: bool
     copies: Sequence[tuple[int, int, int]]
-    ranges: bytes
+    ranges: Sequence[tuple[int, int, int]]
     tag: bytes = b""
     arenas: tuple[PeerArena, ...] = field(default=())
     """The mappings the addresses point into, kept alive while the work exists."""
@@ -119,11 +134,15 @@ class PeerLink:
 
     def enqueue(self, task: Task) -> None:
         with self._cond:
-            if isinstance(task.work, NotifyWork):
+            closed = self._closed
+            if not closed and isinstance(task.work, NotifyWork):
                 self._queue.appendleft(task)  # a seal completes a layer someone waits for
-            else:
+            elif not closed:
                 self._queue.append(task)
             self._cond.notify()
+        if closed:  # raced with close(): nothing will run it
+            failure = TransferFailure(FailureStage.CLOSED, "the peer link closed", quiesced=True)
+            task.transfer.fail(failure)
 
     def take(self) -> Task | None:
         with self._cond:
@@ -157,6 +176,8 @@ class _Lane:
         self._aborted = False
         self._copying = False
         self._header = bytearray(RESPONSE.size)
+        self._confirmed_namespace: bytes | None = None
+        """The namespace the peer behind the current connection answered a request for."""
 
     # -- control (other threads) ---------------------------------------------------------------
 
@@ -198,44 +219,65 @@ class _Lane:
         work = task.work
         deadline = task.transfer.deadline
         if isinstance(work, NetWork):
-            run = work.run
-            data = run.local.span(run.local_start, run.num_blocks)
+            data = [r.local.span(r.local_start, r.num_blocks) for r in work.runs]
             self._request(
-                work.op, work.namespace, deadline, region=run.remote_index, start=run.remote_start,
-                count=run.num_blocks, tag=work.tag,
-                payload=data if work.op == Op.WRITE else None,
+                work.op,
+                work.namespace,
+                deadline,
+                ranges=[(r.remote_index, r.remote_start, r.num_blocks) for r in work.runs],
+                tag=work.tag,
+                payload=data if work.op == Op.WRITE else (),
                 into=data if work.op == Op.READ else None,
-                what=f"region {run.local.name!r} peer blocks "
-                     f"[{run.remote_start}, {run.remote_start + run.num_blocks})",
+                what=work.describe(),
             )
             return None
         if isinstance(work, NotifyWork):
-            self._request(Op.NOTIFY, work.namespace, deadline, layer=work.layer, tag=work.tag,
-                          what=f"layer {work.layer}")
+            self._request(
+                Op.NOTIFY,
+                work.namespace,
+                deadline,
+                layer=work.layer,
+                tag=work.tag,
+                what=f"layer {work.layer}",
+            )
             return None
         assert isinstance(work, ShmWork)
         return self._run_same_host(work, deadline)
 
     def _run_same_host(self, work: ShmWork, deadline: float) -> int:
+        """A push copies only once the peer accepted its BEGIN (the namespace, the ranges and
+        revocation are checked first) and says END after. A pull copies once the peer VALIDATEd
+        the namespace and ranges; after the peer answered a request naming that namespace on
+        this connection, later pulls skip the round trip: a connection cannot outlive the
+        incarnation it reached (`_connect` notices when it closed), and the mapping is of that
+        incarnation's own file. Their ranges are then checked against the peer's descriptor
+        only (it is the peer's own)."""
         what = "same-host ranges"
-        op = Op.BEGIN if work.push else Op.VALIDATE
-        self._request(op, work.namespace, deadline, tag=work.tag, payload=memoryview(work.ranges),
-                      what=what)
-        with self._lock:
-            if self._aborted:  # torn down after the check: do not copy (the peer saw us go)
-                raise _Failed(FailureStage.TIMEOUT, "aborted before the same-host copy")
-            self._copying = True
-        try:
-            total = 0
-            for dst, src, nbytes in work.copies:
-                ctypes.memmove(dst, src, nbytes)
-                total += nbytes
-        finally:
+        ranges = work.ranges
+
+        def copy() -> None:
             with self._lock:
-                self._copying = False
+                if self._aborted:  # torn down: the peer may have seen us go, so do not copy
+                    raise _Failed(FailureStage.TIMEOUT, "aborted before the same-host copy")
+                self._copying = True
+            try:
+                for dst, src, nbytes in work.copies:
+                    ctypes.memmove(dst, src, nbytes)
+            finally:
+                with self._lock:
+                    self._copying = False
+
         if work.push:
+            self._request(
+                Op.BEGIN, work.namespace, deadline, tag=work.tag, ranges=ranges, what=what
+            )
+            copy()
             self._request(Op.END, work.namespace, deadline, tag=work.tag, what=what)
-        return total
+        else:
+            if not self._confirmed(work.namespace, deadline):
+                self._request(Op.VALIDATE, work.namespace, deadline, ranges=ranges, what=what)
+            copy()
+        return sum(nbytes for _, _, nbytes in work.copies)
 
     def _request(
         self,
@@ -244,94 +286,118 @@ class _Lane:
         deadline: float,
         *,
         what: str,
-        region: int = 0,
-        start: int = 0,
-        count: int = 0,
+        ranges: Sequence[tuple[int, int, int]] = (),
         layer: int = 0,
         tag: bytes = b"",
-        payload: memoryview | None = None,
-        into: memoryview | None = None,
+        payload: Sequence[memoryview] = (),
+        into: Sequence[memoryview] | None = None,
     ) -> None:
         """Send one request and read its response; READ data lands in `into` directly."""
         sock = self._connect(deadline)
         request_id = self.link.next_request_id()
-        payload_len = len(payload) if payload is not None else 0
-        header = REQUEST.pack(REQUEST_MAGIC, op, 0, len(tag), request_id, namespace, region,
-                              start, count, layer, payload_len)
+        payload_len = sum(len(p) for p in payload)
+        header = REQUEST.pack(
+            REQUEST_MAGIC, op, 0, len(tag), request_id, namespace, len(ranges), layer, payload_len
+        )
         stage = FailureStage.SEND
         try:
-            self._set_timeout(sock, deadline)
-            send_all(sock, [header, tag] if payload is None else [header, tag, payload])
+            self._check_deadline(deadline)
+            send_all(sock, [header, tag, pack_ranges(ranges), *payload])
             stage = FailureStage.RECEIVE
-            status = self._response(sock, request_id, into, deadline)
-        except TimeoutError:
+            status = self._response(sock, request_id, into)
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO/SO_SNDTIMEO
             self._disconnect()
-            raise _Failed(FailureStage.TIMEOUT, f"{op.name} of {what} with "
-                          f"{self.link.engine_id!r}: no progress within the timeout") from None
+            raise _Failed(
+                FailureStage.TIMEOUT,
+                f"{op.name} of {what} with {self.link.engine_id!r}: no progress within the timeout",
+            ) from None
         except OSError as e:
             self._disconnect()
             doing = "sending" if stage is FailureStage.SEND else "receiving"
-            raise _Failed(stage, f"{op.name} of {what} with {self.link.engine_id!r}: "
-                          f"connection failed while {doing} ({e}); not retried") from None
-        if status is not Status.OK:
-            raise _Failed(FailureStage.REJECTED, f"peer {self.link.engine_id!r} refused "
-                          f"{op.name} of {what}: {status.describe()}")
+            raise _Failed(
+                stage,
+                f"{op.name} of {what} with {self.link.engine_id!r}: "
+                f"connection failed while {doing} ({e}); not retried",
+            ) from None
+        if status is Status.OK:
+            self._confirmed_namespace = namespace
+        else:
+            raise _Failed(
+                FailureStage.REJECTED,
+                f"peer {self.link.engine_id!r} refused {op.name} of {what}: {status.describe()}",
+            )
 
     def _response(
-        self, sock: socket.socket, request_id: int, into: memoryview | None, deadline: float
+        self, sock: socket.socket, request_id: int, into: Sequence[memoryview] | None
     ) -> Status:
         header = memoryview(self._header)
         if into is None:
             recv_exact(sock, header)
-            got = 0
+            rest: list[memoryview] = []
         else:
-            # Header and data in one syscall when they are already there (a 4 KiB read).
-            n, _, _, _ = sock.recvmsg_into([header, into])
+            # Header and data in one syscall when they are already there (a 4 KiB read). No
+            # MSG_WAITALL: a refusal is a bare header, and nothing else is in flight on the lane.
+            n = sock.recvmsg_into([header, *into[: IOV_MAX - 1]])[0]
             if n == 0:
                 raise ConnectionError("connection closed by the peer")
             if n < RESPONSE.size:
                 recv_exact(sock, header[n:])
-            got = max(0, n - RESPONSE.size)
+            rest = advance(list(into), max(0, n - RESPONSE.size))
         magic, status, _flags, _reserved, echoed, payload_len = RESPONSE.unpack_from(header)
         if magic != RESPONSE_MAGIC or echoed != request_id:
             raise ConnectionError("malformed response (lane out of step)")
         if status == Status.OK and into is not None:
-            if payload_len != len(into):
-                raise ConnectionError(f"response of {payload_len} bytes, expected {len(into)}")
-            while got < len(into):
-                self._set_timeout(sock, deadline)
-                recv_exact(sock, into[got:])
-                got = len(into)
-        elif got:
+            expected = sum(len(v) for v in into)
+            if payload_len != expected:
+                raise ConnectionError(f"response of {payload_len} bytes, expected {expected}")
+            recv_views(sock, rest)
+        elif into is not None and sum(len(v) for v in rest) != sum(len(v) for v in into):
             raise ConnectionError("data after a refusal (lane out of step)")
         return Status(status)
 
+    def _confirmed(self, namespace: bytes, deadline: float) -> bool:
+        """Whether the open connection already proved the peer is that incarnation."""
+        if self._sock is None or self._confirmed_namespace != namespace:
+            return False
+        self._connect(deadline)  # replaces the connection (unconfirmed) if the peer closed it
+        return self._confirmed_namespace == namespace
+
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is not None:
-            return self._sock
+            # An idle lane has nothing to read: readable means the peer closed it (it exited or
+            # restarted). Reconnect before sending rather than fail a request that never left.
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not poller.poll(0):
+                return self._sock
+            self._disconnect()
         peer = self.link.peer
         timeout = min(self.link.connect_timeout, max(0.001, deadline - time.monotonic()))
         try:
             sock = socket.create_connection((peer.host, peer.port), timeout=timeout)
         except OSError as e:
-            raise _Failed(FailureStage.CONNECT, f"cannot connect to {peer.engine_id!r} at "
-                          f"{peer.host}:{peer.port}: {e}") from None
+            raise _Failed(
+                FailureStage.CONNECT,
+                f"cannot connect to {peer.engine_id!r} at {peer.host}:{peer.port}: {e}",
+            ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_kernel_timeouts(sock, self.link.progress_timeout)
         with self._lock:
             self._sock = sock
             if self._aborted:
                 _shutdown(sock)
         return sock
 
-    def _set_timeout(self, sock: socket.socket, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
+    def _check_deadline(self, deadline: float) -> None:
+        # Within a request the watchdog enforces the deadline (it shuts the socket down) and the
+        # kernel the progress timeout; between requests, do not start one that is already late.
+        if time.monotonic() > deadline:
             raise TimeoutError("deadline passed")
-        sock.settimeout(min(self.link.progress_timeout, left))
 
     def _disconnect(self) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
+            self._confirmed_namespace = None
         if sock is not None:
             _shutdown(sock)
             sock.close()
@@ -340,7 +406,5 @@ class _Lane:
 def _shutdown(sock: socket.socket | None) -> None:
     if sock is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -13,6 +13,7 @@ request at a time, of at most `max_request_bytes`; a request stalled mid-way for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -31,7 +32,9 @@ from fleetserve.engine.kv_transfer.transport.wire import (
     Op,
     Status,
     recv_exact,
+    recv_views,
     send_all,
+    set_kernel_timeouts,
     unpack_ranges,
 )
 
@@ -146,7 +149,9 @@ class TcpServer:
                 self._next_conn += 1
                 self._conns[conn_id] = conn
                 thread = threading.Thread(
-                    target=self._serve, args=(conn_id, conn), name=f"kv-tcp-serve-{conn_id}",
+                    target=self._serve,
+                    args=(conn_id, conn),
+                    name=f"kv-tcp-serve-{conn_id}",
                     daemon=True,
                 )
                 self._threads[conn_id] = thread
@@ -154,14 +159,14 @@ class TcpServer:
 
     def _serve(self, conn_id: int, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(self._progress_timeout)
+        set_kernel_timeouts(conn, self._progress_timeout)
         header = bytearray(REQUEST.size)
         view = memoryview(header)
         try:
             while not self._closing:
                 try:
                     n = conn.recv_into(view, REQUEST.size)
-                except TimeoutError:
+                except (TimeoutError, BlockingIOError):
                     continue  # an idle lane: keep waiting for its next request
                 if n == 0:
                     return
@@ -182,44 +187,41 @@ class TcpServer:
 
     def _handle(self, conn_id: int, conn: socket.socket, header: bytearray) -> bool:
         """Answer one request; False to drop the connection (a protocol error)."""
-        (magic, op, _flags, tag_len, request_id, namespace, region, start, count, layer,
-         payload_len) = REQUEST.unpack_from(header)
-        if magic != REQUEST_MAGIC or payload_len > self._max_request_bytes:
+        (magic, op, _flags, tag_len, request_id, namespace, num_ranges, layer, payload_len) = (
+            REQUEST.unpack_from(header)
+        )
+        if (
+            magic != REQUEST_MAGIC
+            or payload_len > self._max_request_bytes
+            or num_ranges > MAX_RANGES
+        ):
             logger.warning("kv tcp connection %d: malformed request, dropping it", conn_id)
             return False
         tag = bytes(_recv(conn, tag_len)).decode(errors="replace") if tag_len else ""
+        ranges = unpack_ranges(_recv(conn, num_ranges * RANGE.size)) if num_ranges else []
         status = Status.OK if namespace == self._namespace else Status.STALE_NAMESPACE
+        spans: list[memoryview] = []
+        if status is Status.OK and op in (Op.READ, Op.WRITE, Op.VALIDATE, Op.BEGIN):
+            status, spans = self._spans(ranges)
         if op == Op.READ:
             if status is Status.OK:
-                status = self._check(region, start, count)
-            if status is Status.OK:
-                data = self._regions()[region].span(start, count)
-                send_all(conn, [_response(Status.OK, request_id, len(data)), data])
+                total = sum(len(v) for v in spans)
+                send_all(conn, [_response(Status.OK, request_id, total), *spans])
                 return self._count(status)
         elif op == Op.WRITE:
-            if status is Status.OK:
-                status = self._check(region, start, count)
-            target = self._regions()[region].span(start, count) if status is Status.OK else None
-            if target is not None and len(target) != payload_len:
-                status, target = Status.BAD_REQUEST, None
-            if target is not None and not self._begin_write(conn_id, tag, receiving=True):
-                status, target = Status.REVOKED, None
-            if target is None:
+            if status is Status.OK and sum(len(v) for v in spans) != payload_len:
+                status = Status.BAD_REQUEST
+            if status is Status.OK and not self._begin_write(conn_id, tag, receiving=True):
+                status = Status.REVOKED
+            if status is not Status.OK:
                 _drain(conn, payload_len)
             else:
                 try:
-                    recv_exact(conn, target)
+                    recv_views(conn, spans)
                 finally:
                     self._end_write(conn_id)
-        elif op in (Op.VALIDATE, Op.BEGIN):
-            if payload_len % RANGE.size or payload_len > RANGE.size * MAX_RANGES:
-                return False
-            ranges = unpack_ranges(_recv(conn, payload_len))
-            for r in ranges:
-                if status is not Status.OK:
-                    break
-                status = self._check(*r)
-            if status is Status.OK and op == Op.BEGIN and not self._begin_write(conn_id, tag):
+        elif op == Op.BEGIN:
+            if status is Status.OK and not self._begin_write(conn_id, tag):
                 status = Status.REVOKED
         elif op == Op.END:
             self._end_write(conn_id)
@@ -229,21 +231,25 @@ class TcpServer:
                     status = Status.REVOKED
                 if status is Status.OK:
                     self._inbox.append(PushNotification(tag, layer))
-        else:
+        elif op != Op.VALIDATE:
             return False
         send_all(conn, [_response(status, request_id, 0)])
         return self._count(status)
 
-    def _check(self, region: int, start: int, count: int) -> Status:
+    def _spans(self, ranges: list[tuple[int, int, int]]) -> tuple[Status, list[memoryview]]:
+        """The bytes of every range, or the first reason one is refused (then none)."""
         regions = self._regions()
-        if region >= len(regions):
-            return Status.UNKNOWN_REGION
-        r = regions[region]
-        if count < 1 or start + count > r.num_blocks:
-            return Status.OUT_OF_RANGE
-        if count > 1 and not r.contiguous:
-            return Status.BAD_REQUEST
-        return Status.OK
+        spans = []
+        for index, start, count in ranges:
+            if index >= len(regions):
+                return Status.UNKNOWN_REGION, []
+            region = regions[index]
+            if count < 1 or start + count > region.num_blocks:
+                return Status.OUT_OF_RANGE, []
+            if count > 1 and not region.contiguous:
+                return Status.BAD_REQUEST, []
+            spans.append(region.span(start, count))
+        return Status.OK, spans
 
     def _begin_write(self, conn_id: int, tag: str, *, receiving: bool = False) -> bool:
         with self._cond:
@@ -292,7 +298,5 @@ def _drain(conn: socket.socket, size: int) -> None:
 def _shutdown(sock: socket.socket | None) -> None:
     if sock is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
