@@ -54,7 +54,12 @@ def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
     key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
     with state.lock_for(key):
         result = reconcile(_kube(state), body)
+    generation = int(body["metadata"].get("generation", 1))
     for kind, reason, message in result.events:
+        if kind == "Warning":
+            if state.warned.get(key) == (generation, reason, message):
+                continue
+            state.warned[key] = (generation, reason, message)
         # NOTE: kopf.event only reads apiVersion/kind/metadata, which a raw dict has.
         kopf.event(cast(Any, body), type=kind, reason=reason, message=message)
 
@@ -88,6 +93,7 @@ def on_inferencedeployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> N
     meta = obj["metadata"]
     if event["type"] == "DELETED" or meta.get("deletionTimestamp"):
         memo.state.retries.forget(f"reconcile {meta['namespace']}/{meta['name']}")
+        memo.state.warned.pop(f"{meta['namespace']}/{meta['name']}", None)
         return
     _reconcile(memo.state, meta["namespace"], meta["name"], obj)
 

@@ -22,6 +22,10 @@ class OperatorState:
     api: client.ApiClient
     writes: list[str] = field(default_factory=list)
     retries: Retries = field(default_factory=Retries)
+    warned: dict[str, tuple[int, str, str]] = field(default_factory=dict)
+    """Per deployment, the last Warning posted: (generation, reason, message). A reconcile pass
+    may start from an event's stale body and find the same problem again; it is posted once per
+    spec generation (forgotten when the deployment goes)."""
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 

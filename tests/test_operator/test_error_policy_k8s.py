@@ -231,7 +231,13 @@ def test_a_transient_api_failure_is_retried_with_a_delay(operator_env: OperatorE
         poll("Ready once the API server accepts StatefulSets",
              lambda: _status(env, ns, name).get("phase") == "Ready", timeout_s=60)  # fmt: skip
         assert sorted(_engine_children(env, ns, name)) == [f"{name}-decode-0", f"{name}-prefill-0"]
-        assert _warnings(env, ns, name) == []
+        assert [(w["reason"], w["message"]) for w in _warnings(env, ns, name)] == [
+            (
+                "TransferRequirementsUnmet",
+                "kvTransfer.numThreads 4 exceeds engine.cpu 10m: transfer threads would contend"
+                " with the engine for the pod's CPUs",
+            )
+        ], "no Warning but the transfer check's, posted once"
     finally:
         env.kubectl(
             "delete", "validatingwebhookconfiguration", webhook["metadata"]["name"],
