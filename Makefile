@@ -18,7 +18,18 @@ help: ## Show the targets
 .PHONY: setup
 setup: $(SETUP_STAMP) model ## Create .venv, install pinned packages and prepare the bundled model
 
-$(SETUP_STAMP): pyproject.toml
+# Mooncake's transfer engine (the `mooncake` KV connector) loads Debian's libibverbs1 even for its
+# TCP transport; install it when the dynamic loader cannot find it (root, or sudo when there is one).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
+.PHONY: sysdeps
+sysdeps:
+	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then \
+	  echo "[setup] installing libibverbs1 (apt): Mooncake's transfer engine loads it"; \
+	  $(SUDO) apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
+	    || { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q libibverbs1 >/dev/null; }; \
+	fi
+
+$(SETUP_STAMP): pyproject.toml | sysdeps
 	@echo "[setup] $(VENV): the pinned packages (first time: ~3 GB of downloads, torch with its CUDA libraries; a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel setuptools

@@ -7,6 +7,7 @@ tests/engine/kv_transfer; faults against real processes are in test_pd_http_faul
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 import requests
 
 from fleetserve import LLM, SamplingParams
-from tests.server.server_process import ServerHandle, start_server
+from tests.server.server_process import MAX_MODEL_LEN, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +41,21 @@ def _kv(connector: str, role: str, mode: str, **extra: Any) -> str:
 
 
 def _pd_pair(
-    tmp_path: Path, connector: str, mode: str, *extra: str
+    tmp_path: Path,
+    connector: str,
+    mode: str,
+    *extra: str,
+    model: str | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     (tmp_path / "p").mkdir()
     (tmp_path / "d").mkdir()
     producer = start_server(tmp_path / "p", "--dtype", "float32", "--kv-transfer-config",
-                            _kv(connector, "producer", mode), *extra)  # fmt: skip
+                            _kv(connector, "producer", mode), *extra, model=model,
+                            max_model_len=max_model_len)  # fmt: skip
     consumer = start_server(tmp_path / "d", "--dtype", "float32", "--kv-transfer-config",
-                            _kv(connector, "consumer", mode), *extra)  # fmt: skip
+                            _kv(connector, "consumer", mode), *extra, model=model,
+                            max_model_len=max_model_len)  # fmt: skip
     p = next(producer)
     try:
         d = next(consumer)
@@ -181,6 +189,47 @@ def test_both_legs_dispatched_together_in_push_mode(
         completion(producer, PROMPTS[1], kv_transfer_params=prefill_params)
         thread.join(120)
         assert results["decode"]["choices"][0]["token_ids"] == colocated[1]
+    finally:
+        servers.close()
+
+
+# Each tiny model meets each connector and each transfer mode (the in-process tests in
+# tests/engine/kv_transfer/test_pd_engines.py run the full matrix).
+TINY_PAIRS = [("llama", "tcp", "pull"), ("llama", "mooncake", "push"),
+              ("qwen2", "tcp", "push"), ("qwen2", "mooncake", "pull")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "connector", "mode"), TINY_PAIRS)
+def test_tiny_random_models_over_http_give_the_colocated_tokens(
+    tmp_path: Path, arch: str, connector: str, mode: str
+) -> None:
+    from tests.engine.tiny_models import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "model", arch))
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 500) for _ in range(50)]
+    prompts = [
+        [rng.randrange(3, 500) for _ in range(5)],  # under one block
+        [rng.randrange(3, 500) for _ in range(70)],  # several blocks and a partial one
+        prefix + [rng.randrange(3, 500) for _ in range(12)],  # two sharing 3 blocks
+        prefix + [rng.randrange(3, 500) for _ in range(9)],
+    ]
+    llm = LLM(model, dtype="float32", max_model_len=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    colocated = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    del llm
+    servers = _pd_pair(tmp_path, connector, mode, model=model, max_model_len=256)
+    producer, consumer = next(servers)
+    try:
+        for prompt, expected in zip(prompts, colocated, strict=True):
+            first = completion(producer, prompt, kv_transfer_params={"do_remote_decode": True},
+                               ignore_eos=True)  # fmt: skip
+            second = completion(consumer, prompt, kv_transfer_params=first["kv_transfer_params"],
+                                ignore_eos=True)  # fmt: skip
+            assert second["choices"][0]["token_ids"] == expected.outputs[0].token_ids
+            usage = second["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert consumer.metrics()["fleetserve:kv_tokens_loaded_total"] > 0
     finally:
         servers.close()
 

@@ -1,9 +1,9 @@
 """Faults between two real `fleetserve serve` processes, under both load-failure policies: the
 prefill engine killed after answering, restarted on the same address, the decode leg arriving
-after the lease ran out, a process killed in the middle of a long transfer. Under `recompute`
-every request completes with the colocated tokens; under `fail` it ends at once with a 503
-whose code (`kv_transfer_failed`) a router recognises; nothing hangs, and the prefill engine's
-KV usage returns to idle (read from /metrics)."""
+after the lease ran out, the prefill engine frozen (as behind a cut connection) and killed in the
+middle of a push. Under `recompute` every request completes with the colocated tokens; under
+`fail` it ends at once with a 503 whose code (`kv_transfer_failed`) a router recognises; nothing
+hangs, and KV usage returns to idle (read from /metrics)."""
 
 from __future__ import annotations
 
@@ -195,3 +195,78 @@ def test_an_unresponsive_prefill_engine(
                 _idle_eventually(d)
         finally:
             os.kill(core, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_prefill_engine_killed_in_the_middle_of_a_push(tmp_path: Path, policy: str) -> None:
+    # SmolLM2 with a long prompt computed in small chunks: both legs are dispatched together,
+    # so the producer pushes each chunk's layers while it computes the next; it is killed once
+    # it has run for a while, with the prompt half computed and half pushed.
+    import random
+    import threading
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(100, 40_000) for _ in range(1200)]
+    kv = {"connector": "tcp", "transfer_mode": "push", "load_failure_policy": policy,
+          "transfer_timeout_s": 4.0}  # fmt: skip
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    producer = start_server(tmp_path / "p", "--dtype", "float32", "--max-num-batched-tokens",
+                            "64", "--long-prefill-token-threshold", "64", "--kv-transfer-config",
+                            json.dumps({**kv, "role": "producer"}), max_model_len=2048)  # fmt: skip
+    consumer = start_server(tmp_path / "d", "--dtype", "float32", "--kv-transfer-config",
+                            json.dumps({**kv, "role": "consumer"}), max_model_len=2048)  # fmt: skip
+    p, d = next(producer), next(consumer)
+    try:
+        identity = requests.get(f"{p.base_url}/kv_transfer", timeout=10).json()
+        decode_params = {"do_remote_prefill": True, "remote_engine_id": identity["engine_id"],
+                         "remote_host": identity["host"], "remote_port": identity["port"],
+                         "remote_request_id": "mid-push"}  # fmt: skip
+        result: dict[str, requests.Response] = {}
+        decode = threading.Thread(
+            target=lambda: result.update(leg=_post(d, prompt, kv_transfer_params=decode_params))
+        )
+        decode.start()
+        time.sleep(0.5)  # the decode leg's push request reaches the producer first
+        prefill = threading.Thread(
+            target=lambda: _post(p, prompt, kv_transfer_params={"do_remote_decode": True,
+                                                                "transfer_id": "mid-push"}),
+            daemon=True,
+        )  # fmt: skip
+        prefill.start()
+        deadline = time.monotonic() + 30
+        while p.metrics()["vllm:num_requests_running"] < 1:
+            assert time.monotonic() < deadline, "the prefill leg never ran"
+            time.sleep(0.02)
+        time.sleep(0.6)  # several chunks computed and pushed, many to go
+        assert p.metrics()["vllm:num_requests_running"] == 1, "the prefill finished too soon"
+        p.process.send_signal(signal.SIGKILL)
+        p.process.wait(30)
+        started = time.monotonic()
+        decode.join(60)
+        assert not decode.is_alive(), "the decode leg hangs"
+        assert time.monotonic() - started < 30
+        response = result["leg"]
+        if policy == "fail":
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "kv_transfer_failed"
+        else:
+            assert response.status_code == 200, response.text
+            # The same prompt computed from scratch on the decode engine (a cache salt keeps it
+            # off the blocks the recompute left in the prefix cache).
+            fresh = _post(d, prompt, cache_salt="fresh")
+            assert fresh.status_code == 200, fresh.text
+            tokens = response.json()["choices"][0]["token_ids"]
+            assert tokens == fresh.json()["choices"][0]["token_ids"]
+            assert d.metrics()["fleetserve:kv_blocks_recomputed_total"] > 0
+        _idle_eventually(d)
+        text = requests.get(f"{d.base_url}/metrics", timeout=10).text
+        failed = [
+            line
+            for line in text.splitlines()
+            if line.startswith("fleetserve:kv_transfers_total{") and 'outcome="failed"' in line
+        ]
+        assert failed and sum(float(line.rsplit(" ", 1)[1]) for line in failed) >= 1, failed
+    finally:
+        consumer.close()
+        producer.close()
