@@ -228,11 +228,16 @@ def test_the_prefill_engine_killed_in_the_middle_of_a_push(tmp_path: Path, polic
         )
         decode.start()
         time.sleep(0.5)  # the decode leg's push request reaches the producer first
-        prefill = threading.Thread(
-            target=lambda: _post(p, prompt, kv_transfer_params={"do_remote_decode": True,
-                                                                "transfer_id": "mid-push"}),
-            daemon=True,
-        )  # fmt: skip
+        prefill_error: list[BaseException] = []
+
+        def prefill_leg() -> None:
+            try:
+                _post(p, prompt, kv_transfer_params={"do_remote_decode": True,
+                                                     "transfer_id": "mid-push"})  # fmt: skip
+            except requests.ConnectionError as exc:  # its server dies under it
+                prefill_error.append(exc)
+
+        prefill = threading.Thread(target=prefill_leg, daemon=True)
         prefill.start()
         deadline = time.monotonic() + 30
         while p.metrics()["vllm:num_requests_running"] < 1:
@@ -245,6 +250,8 @@ def test_the_prefill_engine_killed_in_the_middle_of_a_push(tmp_path: Path, polic
         started = time.monotonic()
         decode.join(60)
         assert not decode.is_alive(), "the decode leg hangs"
+        prefill.join(30)
+        assert prefill_error, "the killed producer's own request must end with its connection"
         assert time.monotonic() - started < 30
         response = result["leg"]
         if policy == "fail":
