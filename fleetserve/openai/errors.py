@@ -122,10 +122,15 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         # NOTE: `param` is the top-level field; the message keeps the full path (union members,
         # list indices) so the client sees exactly what failed.
         param = loc[0] if loc else None
-        message = f"{'.'.join(loc)}: {first['msg']}"
-        given = first.get("input")
-        if isinstance(given, str | int | float | bool):
-            message += f", got {repr(given)[:100]}"
+        if first["type"] == "value_error":
+            # NOTE: our validators' messages already name the allowed values and the value given;
+            # pydantic's "Value error, " prefix and a second "got" would only repeat them.
+            message = f"{'.'.join(loc)}: {first.get('ctx', {}).get('error', first['msg'])}"
+        else:
+            message = f"{'.'.join(loc)}: {first['msg']}"
+            given = first.get("input")
+            if isinstance(given, str | int | float | bool):
+                message += f", got {repr(given)[:100]}"
         raise RequestError(400, message, param=param) from exc
 
 

@@ -107,6 +107,8 @@ def test_n_is_capped_at_128(make_app: MakeApp, fake_engine: FakeEngineClient, n:
     ]:
         status, data, _ = _post(make_app(), path, body)
         _assert_400(status, data, "n", "128")
+        # The validator's own message, once: no pydantic prefix, no second "got".
+        assert data["error"]["message"] == f"n: n must be an integer in [1, 128], got {n}"
     assert fake_engine.calls == []
 
 
