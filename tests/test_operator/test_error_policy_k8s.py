@@ -49,7 +49,9 @@ def _generation(env: OperatorEnv, ns: str, name: str) -> int:
 
 
 def _warnings(env: OperatorEnv, ns: str, name: str) -> list[dict[str, Any]]:
-    selector = f"type=Warning,involvedObject.name={name}"
+    """The Warning events on the InferenceDeployment (the control plane posts its own, e.g.
+    ClusterIPNotAllocated, on the router Service, which has the same name)."""
+    selector = f"type=Warning,involvedObject.kind=InferenceDeployment,involvedObject.name={name}"
     out = env.kubectl("get", "events", "-n", ns, "--field-selector", selector, "-o", "json")
     items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
     return items
