@@ -3,32 +3,28 @@
 An endpoint (`serving_completion.py`, `serving_chat.py`) parses its body (`check_body` refuses
 what this server would ignore), builds the prompt token ids and the `SamplingParams`
 (`sampling.py`), then hands them to `OpenAIServing`: `prepare` checks every prompt against the
-context and names the request; `respond` admits all of its sequences at once (prompts × n, all
-or nothing), submits each prompt to the `EngineClient`, merges the prompts' output streams and
-either aggregates them into one JSON body or streams them as SSE, shaping choices through the
-endpoint's `ResponseFormat`. A stream is `data: {chunk}` events, an optional usage-only chunk
-(`stream_options.include_usage`), and `data: [DONE]`.
+context and names the request (a `PreparedRequest`, `serving_types.py`); `respond` admits all of
+its sequences at once (prompts × n, all or nothing), submits each prompt to the `EngineClient`,
+merges the prompts' output streams and either aggregates them into one JSON body or streams
+them as SSE (`serving_responses.py`), shaping choices through the endpoint's `ResponseFormat`.
 
-Errors: before the headers, an OpenAI-shaped JSON error (`request_error` maps the engine's
-exceptions to statuses); after them, an error event and then `data: [DONE]` all the same. Only
-a client that went away gets no ending.
+Errors: `request_error` maps the engine client's exceptions to HTTP statuses; before the
+headers the client gets an OpenAI-shaped JSON error, after them an error event and then
+`data: [DONE]` (`serving_responses.py`).
 
 Ids: each engine request gets a fresh id; a client's `X-Request-Id` only names the response
 (echoed in the header and in the body's `id`) and the log lines, so two requests with the same
 header never touch each other.
 
 A completions request may carry a batch of prompts: each becomes its own engine request, and
-prompt p's choice j is choice `p * n + j` of the one response (OpenAI's numbering); their
-outputs are merged as they arrive, so a stream interleaves the choices.
+prompt p's choice j is choice `p * n + j` of the one response (OpenAI's numbering).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -36,26 +32,29 @@ from fleetserve.engine.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineOverloadedError,
-    EngineRequestError,
-    RequestRejectedError,
-    SlowReaderError,
 )
-from fleetserve.engine.kv_transfer.params import KV_TRANSFER_FAILED, parse_kv_transfer_params
-from fleetserve.engine.request_output import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestOutput,
-)
+from fleetserve.engine.kv_transfer.params import parse_kv_transfer_params
+from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.validation import validate_prompt
-from fleetserve.openai.errors import RequestError, error_body, value_error
+from fleetserve.openai.errors import RequestError, value_error
 from fleetserve.openai.protocol import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    PromptTokensDetails,
     SamplingRequest,
-    UsageInfo,
     random_id,
+)
+from fleetserve.server.serving_responses import (
+    aggregate_response,
+    merge_prompt_streams,
+    request_error,
+    stream_response,
+)
+from fleetserve.server.serving_types import (
+    REQUEST_ID_HEADER,
+    ChoiceState,
+    PreparedRequest,
+    PromptInput,
+    ResponseFormat,
 )
 
 if TYPE_CHECKING:
@@ -72,100 +71,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-REQUEST_ID_HEADER = "X-Request-Id"
-
-ENGINE_DEAD_RETRY_AFTER_S = 5
-"""Retry-After of a 503 when the engine is gone (a supervisor restarts the server)."""
-
-
-@dataclass
-class ChoiceState:
-    """One choice accumulated over the deltas of a non-streaming request."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    """One prompt of a request and the engine request that serves it."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str | None
-    """The prompt as the client sent it, when it was text."""
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, ready for the engine."""
-
-    request_id: str
-    """The response's id (`{prefix}-{X-Request-Id}` when the client named the request)."""
-    body: SamplingRequest
-    prompts: list[PromptInput]
-    params: SamplingParams
-    client_request_id: str | None = None
-    return_token_ids: bool = False
-    """Responses carry token ids (asked for, or the only output without a tokenizer)."""
-    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
-    """Prompt index → its prompt logprobs, filled as outputs arrive (echo with logprobs)."""
-    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
-    """The engine's answer to a P/D leg (a producer's), filled when the request finishes."""
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {REQUEST_ID_HEADER: self.client_request_id} if self.client_request_id else {}
-
-    @property
-    def log_name(self) -> str:
-        """How logs name it: the first engine id, and the client's id when it sent one."""
-        name = self.prompts[0].request_id
-        return (
-            f"{name} (X-Request-Id {self.client_request_id!r})" if self.client_request_id else name
-        )
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.params.n
-
-    def choice_index(self, prompt_index: int, completion_index: int) -> int:
-        """The response's numbering: prompt p's sequence j is choice `p * n + j`."""
-        return prompt_index * self.params.n + completion_index
-
-    def prompt_of(self, choice_index: int) -> PromptInput:
-        return self.prompts[choice_index // self.params.n]
-
-
-class ResponseFormat(Protocol):
-    """How one endpoint shapes its responses (one instance per request: it may keep state
-    across the chunks of a stream)."""
-
-    def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
-        """The JSON body of a non-streaming response."""
-        ...
-
-    def first_chunks(self, prepared: PreparedRequest) -> list[str]:
-        """Chunks sent before any output (chat: each choice's role)."""
-        ...
-
-    def chunk(
-        self,
-        prepared: PreparedRequest,
-        choice_index: int,
-        delta: CompletionOutput,
-        usage: UsageInfo | None,
-    ) -> str | None:
-        """The chunk of one choice's delta, or None when it carries nothing."""
-        ...
-
-    def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
-        """The final usage-only chunk (`stream_options.include_usage`)."""
-        ...
 
 
 class OpenAIServing:
@@ -304,10 +209,10 @@ class OpenAIServing:
         self._admit(prepared)
         submitted: list[str] = []
         try:
-            outputs = _merge_prompt_streams(self._submit(prepared, submitted))
+            outputs = merge_prompt_streams(self._submit(prepared, submitted))
             if prepared.body.stream:
-                return await self._stream(request, prepared, response_format, outputs)
-            return await self._aggregate(prepared, response_format, outputs)
+                return await stream_response(request, prepared, response_format, outputs)
+            return await aggregate_response(prepared, response_format, outputs)
         finally:
             # NOTE: a no-op once finished; aborts (frees KV blocks) on disconnect, on error, and
             # for the prompts of a batch added before a later one was refused. Only ids this
@@ -349,180 +254,3 @@ class OpenAIServing:
             submitted.append(prompt.request_id)
             streams.append(stream)
         return streams
-
-    async def _aggregate(
-        self,
-        prepared: PreparedRequest,
-        response_format: ResponseFormat,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-    ) -> web.Response:
-        choices = [ChoiceState() for _ in range(prepared.num_choices)]
-        cached: dict[int, int] = {}
-        try:
-            async for prompt_index, output in outputs:
-                cached[prompt_index] = output.num_cached_tokens
-                if output.prompt_logprobs is not None:
-                    prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
-                if output.kv_transfer_params is not None:
-                    prepared.kv_transfer_params.update(output.kv_transfer_params)
-                for delta in output.outputs:
-                    choice = choices[prepared.choice_index(prompt_index, delta.index)]
-                    choice.text += delta.text
-                    choice.token_ids.extend(delta.token_ids)
-                    choice.logprobs.extend(delta.logprobs or [])
-                    choice.finish_reason = delta.finish_reason
-                    choice.stop_reason = delta.stop_reason
-        except Exception as exc:
-            raise request_error(exc, log_name=prepared.log_name) from exc
-        usage = _usage(prepared, sum(len(c.token_ids) for c in choices), sum(cached.values()))
-        return web.Response(
-            text=response_format.full(prepared, choices, usage),
-            content_type="application/json",
-            headers=prepared.headers,
-        )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        prepared: PreparedRequest,
-        response_format: ResponseFormat,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **prepared.headers,
-            }
-        )
-        await response.prepare(request)
-        num_generated = 0
-        cached: dict[int, int] = {}
-        finished: set[int] = set()
-        try:
-            for event in response_format.first_chunks(prepared):
-                await response.write(_sse(event))
-            async for prompt_index, output in outputs:
-                cached[prompt_index] = output.num_cached_tokens
-                if output.prompt_logprobs is not None:
-                    prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
-                if output.kv_transfer_params is not None:
-                    prepared.kv_transfer_params.update(output.kv_transfer_params)
-                for delta in output.outputs:
-                    choice_index = prepared.choice_index(prompt_index, delta.index)
-                    # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
-                    # siblings run; its finish_reason is sent once.
-                    if choice_index in finished:
-                        continue
-                    if delta.finish_reason is not None:
-                        finished.add(choice_index)
-                    num_generated += len(delta.token_ids)
-                    running_usage = (
-                        _usage(prepared, num_generated, sum(cached.values()))
-                        if prepared.body.continuous_usage_in_stream
-                        else None
-                    )
-                    chunk = response_format.chunk(prepared, choice_index, delta, running_usage)
-                    if chunk is not None:
-                        await response.write(_sse(chunk))
-            if prepared.body.include_usage_in_stream:
-                usage = _usage(prepared, num_generated, sum(cached.values()))
-                await response.write(_sse(response_format.usage_chunk(prepared, usage)))
-        except ConnectionError:
-            logger.info("client disconnected; aborting %s", prepared.log_name)
-            return response
-        except Exception as exc:
-            # NOTE: the headers are out; the error goes in the stream, which still ends.
-            error = request_error(exc, log_name=prepared.log_name)
-            try:
-                await response.write(
-                    _sse(error_body(error.status, error.message, error.param, error.code))
-                )
-            except ConnectionError:
-                return response
-        try:
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionError:
-            logger.info("client disconnected at the end of %s", prepared.log_name)
-        return response
-
-
-def request_error(
-    exc: BaseException, *, default_param: str | None = None, log_name: str = "a request"
-) -> RequestError:
-    """The HTTP error for an exception from the engine client (see `EngineClient.generate`):
-    503 dead, 429 overloaded, 400 invalid or refused by the core, 500 failed by the engine,
-    408 a reader too slow; anything else is logged and answered as a 500."""
-    if isinstance(exc, RequestError):
-        return exc
-    if isinstance(exc, EngineDeadError):
-        return RequestError(503, str(exc), retry_after_s=ENGINE_DEAD_RETRY_AFTER_S)
-    if isinstance(exc, EngineOverloadedError):
-        return RequestError(429, str(exc), retry_after_s=exc.retry_after_s)
-    if isinstance(exc, RequestRejectedError):
-        return RequestError(400, f"the engine refused the request: {exc}")
-    if isinstance(exc, ValueError):
-        return value_error(exc, default_param)
-    if isinstance(exc, EngineRequestError) and f"{KV_TRANSFER_FAILED}:" in str(exc):
-        # NOTE: the prompt's KV never arrived from its prefill engine: a router may retry the
-        # request elsewhere (another pair, or colocated), so it is a 503 with its own code.
-        logger.warning("%s: %s", log_name, exc)
-        return RequestError(503, str(exc), code=KV_TRANSFER_FAILED, retry_after_s=0)
-    if isinstance(exc, EngineRequestError):
-        logger.error("%s failed in the engine: %s", log_name, exc)
-        return RequestError(500, str(exc))
-    if isinstance(exc, SlowReaderError):
-        return RequestError(408, str(exc), code="slow_reader")
-    logger.error("unexpected error serving %s", log_name, exc_info=exc)
-    return RequestError(500, "internal server error")
-
-
-def _sse(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
-
-
-async def _merge_prompt_streams(
-    streams: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (prompt index, output) from every prompt's stream as the outputs arrive; a failure
-    of any prompt's stream fails the merged one."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(prompt_index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in stream:
-                await queue.put((prompt_index, output))
-        except Exception as exc:
-            # The consumer re-raises it: one failed prompt fails the response.
-            await queue.put((prompt_index, exc))
-        await queue.put((prompt_index, None))
-
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            prompt_index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield prompt_index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _usage(prepared: PreparedRequest, num_generated: int, num_cached: int) -> UsageInfo:
-    num_prompt = sum(len(p.token_ids) for p in prepared.prompts)
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-    )

@@ -29,7 +29,8 @@ from fleetserve.openai.protocol import (
 )
 from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
-from fleetserve.server.serving import ChoiceState, OpenAIServing, PreparedRequest
+from fleetserve.server.serving import OpenAIServing
+from fleetserve.server.serving_types import ChoiceState, PreparedRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -99,6 +99,33 @@ def test_eplb_settings_need_eplb(model_dir: Path) -> None:
         EngineArgs(model=str(model_dir), device="cpu", eplb_window_size=5).create_engine_config()
 
 
+def test_eplb_config_fields_are_the_api_eplb_block() -> None:
+    """The engine's `EPLBConfig` and the CRD's `eplb` block (`api.models.EPLB`): the same field
+    names, defaults, policies and bounds, so a role's block maps onto the engine's config."""
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from fleetserve.api.models import EPLB
+    from fleetserve.engine.config import _EPLB_POLICIES, EPLBConfig
+
+    names = [f.name for f in dataclasses.fields(EPLBConfig)]
+    assert names == list(EPLB.model_fields)
+    assert dataclasses.asdict(EPLBConfig()) == EPLB().model_dump()
+    assert set(get_args(EPLB.model_fields["policy"].annotation)) == set(_EPLB_POLICIES)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EPLBConfig(policy="random")
+    for name, lowest in [("redundant_experts", 0), ("window_size", 1), ("step_interval", 1)]:
+        edge: dict[str, Any] = {name: lowest}
+        below: dict[str, Any] = {name: lowest - 1}
+        EPLB.model_validate(edge)
+        EPLBConfig(**edge)
+        with pytest.raises(ValidationError):
+            EPLB.model_validate(below)
+        with pytest.raises(ValueError, match=f"{name} must be >= {lowest}"):
+            EPLBConfig(**below)
+
+
 @pytest.mark.parametrize(
     ("value", "match"),
     [

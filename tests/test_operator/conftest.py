@@ -1,135 +1,18 @@
-"""Operator k8s fixtures: the CRD and RBAC from manifests/, and the operator as a subprocess.
-
-The operator authenticates with the `fleetserve-operator` ServiceAccount token (not admin), so the
-RBAC in manifests/operator/rbac.yaml is what these tests exercise.
-"""
+"""Operator k8s fixtures: the CRD and RBAC from manifests/, and the operator as a subprocess
+(`OperatorEnv`, in helpers.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from fleetserve.devcluster.binaries import find_binaries
 from fleetserve.devcluster.testing import DevCluster
-from tests.devcluster.helpers import poll
-
-__all__ = ["SA_USER", "OperatorEnv", "poll"]
+from tests.test_operator.helpers import SA_NAME, SA_NAMESPACE, OperatorEnv
 
 ROOT = Path(__file__).resolve().parents[2]
-SA_NAME = "fleetserve-operator"
-SA_NAMESPACE = "fleetserve-system"
-SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
-WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
-
-
-@dataclass
-class OperatorEnv:
-    dc: DevCluster
-    kubectl_bin: Path
-    sa_kubeconfig: Path
-    log_dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = field(default=0)
-
-    def kubectl(
-        self, *args: str, stdin: str | None = None, check: bool = True
-    ) -> subprocess.CompletedProcess[str]:
-        cmd = [str(self.kubectl_bin), "--kubeconfig", str(self.dc.kubeconfig), *args]
-        out = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60)
-        if check and out.returncode != 0:
-            pytest.fail(f"kubectl {' '.join(args)} failed: {out.stderr}")
-        return out
-
-    def get(self, kind: str, ns: str, name: str | None = None, selector: str | None = None) -> Any:
-        args = ["get", kind, "-n", ns, "-o", "json"]
-        if name:
-            args.insert(2, name)
-        if selector:
-            args += ["-l", selector]
-        out = self.kubectl(*args, check=False)
-        return json.loads(out.stdout) if out.returncode == 0 else None
-
-    def apply(self, ns: str, doc: dict[str, Any]) -> None:
-        self.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(doc))
-
-    def start(self) -> None:
-        assert self.proc is None, "operator already running"
-        env = {**os.environ, "KUBECONFIG": str(self.sa_kubeconfig)}
-        code = "from fleetserve.operator.cli import run; run(namespaces=[], peering=None, liveness=None)"
-        self.starts += 1
-        log = (self.log_dir / f"operator-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
-
-    def stop(self, *, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def log_text(self) -> str:
-        """Everything the operator processes of this module logged so far."""
-        return "".join(
-            p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log"))
-        )
-
-    def writes(self, namespace: str) -> list[dict[str, Any]]:
-        """Mutating requests the operator made in `namespace` (events excluded)."""
-        return [
-            e
-            for e in self.dc.audit_events(username=SA_USER)
-            if e["verb"] in WRITE_VERBS
-            and e.get("objectRef", {}).get("namespace") == namespace
-            and e.get("objectRef", {}).get("resource") != "events"
-        ]
-
-    def new_namespace(self, name: str) -> str:
-        self.kubectl("create", "namespace", name)
-        # A statically bound read-only volume for the samples' `pvc://models/...` sources.
-        pv = {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": f"models-{name}"},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadOnlyMany"],
-                "storageClassName": "",
-                "hostPath": {"path": "/tmp"},
-                "claimRef": {"namespace": name, "name": "models"},
-            },
-        }
-        pvc = {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "models", "namespace": name},
-            "spec": {
-                "accessModes": ["ReadOnlyMany"],
-                "storageClassName": "",
-                "volumeName": f"models-{name}",
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        }
-        self.apply(name, pv)
-        self.apply(name, pvc)
-        return name
-
-    def delete_namespace(self, name: str) -> None:
-        self.kubectl("delete", "namespace", name, "--wait=false")
-        self.kubectl("delete", "pv", f"models-{name}", "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")

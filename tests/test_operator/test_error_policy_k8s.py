@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from fleetserve.operator.errors import RETRY_DELAYS_S
-from tests.test_operator.conftest import OperatorEnv, poll
+from tests.devcluster.helpers import poll
+from tests.test_operator.helpers import OperatorEnv
 
 pytestmark = pytest.mark.k8s
 

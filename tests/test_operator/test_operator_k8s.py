@@ -21,7 +21,8 @@ import yaml
 from fleetserve.api.compat import role_compatibility_hashes
 from fleetserve.api.models import InferenceDeploymentSpec
 from fleetserve.operator.builders import Owner, build_children
-from tests.test_operator.conftest import SA_USER, OperatorEnv, poll
+from tests.devcluster.helpers import poll
+from tests.test_operator.helpers import SA_USER, OperatorEnv
 
 pytestmark = pytest.mark.k8s
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_operator.conftest import OperatorEnv, poll
+from tests.devcluster.helpers import poll
+from tests.test_operator.helpers import OperatorEnv
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

@@ -32,8 +32,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -48,7 +48,7 @@ from fleetserve.engine.core.messages import (
     ReadyMessage,
     StopMessage,
 )
-from fleetserve.engine.core.outputs import EngineCoreOutput
+from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
 from fleetserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,90 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ctx.term()
 
 
+class RunningRequest(Protocol):
+    """A request the scheduler is running, as the loop sees it: only its id."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+class RunningView(Protocol):
+    """The part of the scheduler the loop reads: which requests are running."""
+
+    @property
+    def running(self) -> Iterable[RunningRequest]:
+        """The requests running after the last `step()`. A request appears here from the step
+        that first scheduled it until it finishes or is preempted; one that finished within
+        the step that scheduled it never appears (the loop sees it only in that step's
+        outputs). The loop only iterates it, between steps, and never changes it."""
+        ...
+
+
+class LoopCore(Protocol):
+    """What the process loop (`_EngineLoop`) needs from the engine core: `EngineCore`, or a
+    fake in tests. The loop is its only caller, from one thread, so nothing here needs to be
+    thread-safe; apart from `step()`, the methods are cheap and never block."""
+
+    @property
+    def scheduler(self) -> RunningView:
+        """The scheduler, read for its running requests (first-scheduled times)."""
+        ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...],
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float | None,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> None:
+        """Queue one request; it runs in later `step()` calls.
+
+        Raises:
+            ValueError: the request is refused (its id is taken, it can never fit, its
+                parameters are not for this engine); the loop reports the message to the
+                API server as `rejected`. Any other exception fails only that request: the
+                loop calls `abort_requests([request_id])` in case it got half-way in.
+        """
+        ...
+
+    def abort_requests(self, request_ids: list[str], /) -> None:
+        """Finish these requests as aborted and free what they hold; unknown or already
+        finished ids are ignored. Their runner state is dropped at the next `step()`."""
+        ...
+
+    def stop_requests(self, request_ids: list[str], /) -> None:
+        """Finish these requests as stopped (the front end matched a stop string); unknown or
+        already finished ids are ignored, as for `abort_requests`."""
+        ...
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step: schedule, execute, update (see `EngineCore.step`).
+
+        Returns:
+            The outputs of the requests that got tokens, finished or failed in this step; may
+            be empty (e.g. a step that only drops the state of finished requests).
+
+        An error tied to one request comes back as that request's output with `error`; an
+        exception that escapes means the engine cannot go on, and it ends the loop.
+        """
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has work: live requests or KV transfers in flight. While true, the
+        loop steps without waiting for inputs; while false, it blocks on its input socket."""
+        ...
+
+    def make_stats(self) -> SchedulerStats:
+        """The stats sent with every output message. Called once per message, never more:
+        it may move counters accumulated since the last call into the result."""
+        ...
+
+
 class _ParentGoneError(Exception):
     """The API server process died: the core has nobody to serve."""
 
@@ -126,13 +210,14 @@ class _EngineLoop:
     """Drain inputs, step, send outputs; one instance per core process.
 
     Args:
+        core: the engine core it drives (`EngineCore`; see `LoopCore` for what is used).
         parent_alive: whether the API server still lives (default: this process's parent is
             the one that started it).
     """
 
     def __init__(
         self,
-        core: Any,
+        core: LoopCore,
         input_socket: zmq.Socket[bytes],
         output_socket: zmq.Socket[bytes],
         parent_alive: Callable[[], bool] | None = None,

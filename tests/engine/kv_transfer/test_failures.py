@@ -17,7 +17,7 @@ from fleetserve.engine.kv_transfer.transport import (
     TransferState,
     kv_region_name,
 )
-from tests.engine.kv_transfer.conftest import KINDS, Pair, start_pair, stop_pair, transport_kind
+from tests.engine.kv_transfer.pairs import KINDS, Pair, start_pair, stop_pair, transport_kind
 from tests.engine.kv_transfer.peer import Peer
 
 ALL_K = [BlockCopy(kv_region_name(layer, "k"), range(8), range(8)) for layer in range(3)]

@@ -18,7 +18,7 @@ from fleetserve.engine.kv_transfer.transport import (
     host_identity,
 )
 from fleetserve.engine.kv_transfer.transport.shm import PeerArena
-from tests.engine.kv_transfer.conftest import (
+from tests.engine.kv_transfer.pairs import (
     KINDS,
     Pair,
     assert_copied,

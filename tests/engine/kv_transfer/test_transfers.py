@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fleetserve.engine.kv_transfer.transport import BlockCopy, TransferState, kv_region_name
-from tests.engine.kv_transfer.conftest import (
+from tests.engine.kv_transfer.pairs import (
     Pair,
     assert_copied,
     random_copies,
