@@ -131,8 +131,10 @@ def test_duplicate_add_is_rejected_and_abort_reaches_the_core(
 ) -> None:
     to_core, from_core, core = loop_sockets
     decoder = msgspec.msgpack.Decoder(CoreMessage)
-    to_core.send(_add("a", 1000))
-    to_core.send(_add("a", 1000))
+    # NOTE: "a" must outlive the round trip to the abort however slow the machine is (a 1000-step
+    # request once finished first on a loaded box, and the abort then had nothing to reach).
+    to_core.send(_add("a", 10**9))
+    to_core.send(_add("a", 10**9))
     rejected: dict[str, str] = {}
     while not rejected:
         message = decoder.decode(from_core.recv())
