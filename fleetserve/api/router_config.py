@@ -103,9 +103,7 @@ class RouterConfig:
     queue_timeout_s: float = field(
         default=10.0, metadata=_meta("longest wait for an in-flight slot before a 429")
     )
-    connect_timeout_s: float = field(
-        default=3.0, metadata=_meta("timeout to connect to an engine")
-    )
+    connect_timeout_s: float = field(default=3.0, metadata=_meta("timeout to connect to an engine"))
     prefill_timeout_s: float = field(
         default=120.0, metadata=_meta("timeout of a whole prefill leg")
     )
@@ -169,10 +167,10 @@ class RouterConfig:
         for name in ("prefill_selector", "decode_selector", "unified_selector"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is for discovery kubernetes, not static")
-        if not self.decode and not self.engine:
-            raise ValueError("discovery static needs at least one decode or engine URL")
         if self.prefill and not self.decode:
             raise ValueError("prefill URLs need at least one decode URL to hand their KV to")
+        if not self.decode and not self.engine:
+            raise ValueError("discovery static needs at least one decode or engine URL")
         if self.mode != "never" and self.decode and not self.prefill:
             raise ValueError(
                 f"decode URLs with disaggregation {self.mode} need at least one prefill URL"

@@ -200,12 +200,16 @@ class RoutingPolicy:
             if e.role == "prefill"
             and e.compatibility_hash is not None
             and e.compatibility_hash == decode.compatibility_hash
-            and e.url not in request.exclude_prefill
-            and (e.url, decode.url) not in request.exclude_pairs
         ]
         if not prefills:
             return Decision(decode.url, None, "decode_only", "no_compatible_prefill", cached)
-        prefills = [e for e in prefills if e.available]
+        prefills = [
+            e
+            for e in prefills
+            if e.available
+            and e.url not in request.exclude_prefill
+            and (e.url, decode.url) not in request.exclude_pairs
+        ]
         if not prefills:
             return Decision(decode.url, None, "decode_only", "prefill_unavailable", cached)
         prefills = [e for e in prefills if not self.saturated(e)]

@@ -72,7 +72,7 @@ def test_the_prefix_match_equals_the_engines_hashing_and_stops_at_the_first_miss
     tokens = list(range(100))
     cache.record("d", hash_token_blocks(tokens[:64], BLOCK))  # 4 blocks
     assert cache.match("d", hash_token_blocks(tokens, BLOCK)) == 4
-    other = tokens[:20] + [7] + tokens[21:]  # differs in block 1: only block 0 matches
+    other = [*tokens[:20], 7, *tokens[21:]]  # differs in block 1: only block 0 matches
     assert cache.match("d", hash_token_blocks(other, BLOCK)) == 1
     assert cache.match("d", hash_token_blocks(tokens, BLOCK, cache_salt="x")) == 0
 
@@ -142,7 +142,10 @@ def test_selective_skips_remote_prefill_for_short_and_cached_prompts() -> None:
 def test_always_and_never() -> None:
     cache = ApproxPrefixCache(100)
     engines = [_engine("http://d:1"), _engine("http://p:1", "prefill")]
-    assert _route(_policy(mode="always"), engines, [1], cache)[1:3] == ("http://p:1", "disaggregated")
+    assert _route(_policy(mode="always"), engines, [1], cache)[1:3] == (
+        "http://p:1",
+        "disaggregated",
+    )
     assert _route(_policy(mode="never"), engines, list(range(999)), cache)[1:] == (
         None, "decode_only", "mode_never",
     )  # fmt: skip

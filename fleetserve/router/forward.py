@@ -1,0 +1,291 @@
+"""Forwarding one request through the fleet: decide, prefill remotely if so decided, open the
+decode engine's answer; retries and breaker accounting as one design.
+
+Contract (ARCHITECTURE.md, P/D request protocol):
+- Prefill leg: the client's body with `kv_transfer_params: {"do_remote_decode": true}`,
+  `max_tokens: 1`, `stream: false`; its answer's `kv_transfer_params` go to the decode engine
+  with `do_remote_prefill: true`, on the client's body otherwise unchanged.
+- A prefill failure (5xx, timeout, connection error, an answer without `kv_transfer_params`)
+  counts against that prefill engine and is retried on another prefill engine or, with none
+  left, decode-only (the decode engine computes the whole prompt). The decode leg is not sent
+  before its prefill succeeded, so a failed prefill leaves no decode slot waiting.
+- A client error from either leg (4xx other than 408/429: context too long, bad field) is
+  answered as the engine wrote it and counts against nothing; a 429 moves to another engine.
+- A decode failure before any byte reached the client is retried: a 5xx after a remote prefill
+  counts against the (prefill, decode) pair (the transfer is suspect, the decode engine may be
+  fine), connection errors and timeouts against the decode engine. Once the answer starts
+  streaming it is never replayed (`fleetserve.router.app` ends a broken stream with an error
+  event). At most `MAX_ATTEMPTS` decisions per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+
+from fleetserve.api.router_config import RouterConfig
+from fleetserve.openai.errors import error_body
+from fleetserve.router.fleet import Fleet
+from fleetserve.router.metrics import RouterMetrics
+from fleetserve.router.policy import Decision, NoEngineAvailable, RoutingPolicy, RoutingRequest
+
+__all__ = ["MAX_ATTEMPTS", "PATHS", "Answer", "Forwarder", "Stream"]
+
+MAX_ATTEMPTS = 4
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_CLIENT_ERRORS_PASSED_ON = frozenset(range(400, 500)) - {408, 429}
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A complete answer for the client (a buffered engine answer or the router's error)."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    retry_after_s: int | None = None
+
+
+@dataclass(slots=True)
+class Stream:
+    """An open decode answer whose body the app streams to the client; `finish(outcome)` must
+    be called once when it ends (True: complete, False: upstream broke, None: client left)."""
+
+    upstream: aiohttp.ClientResponse
+    finish: Callable[[bool | None], None]
+
+
+class _Failed(Exception):
+    """An upstream attempt failed in a way that counts against the engine (or pair)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Busy(Exception):
+    """The engine answered 429 (or its breaker's trial slot was taken): try another."""
+
+
+def _error(status: int, message: str, retry_after_s: int | None = None) -> Answer:
+    return Answer(status, error_body(status, message).encode(), retry_after_s=retry_after_s)
+
+
+class Forwarder:
+    """Runs the attempts of one request; shared by all requests of one app."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.metrics = metrics
+        self.session = session
+
+    async def forward(
+        self,
+        body: dict[str, Any],
+        route: str,
+        base: RoutingRequest,
+        policy: RoutingPolicy,
+        authorization: str | None,
+    ) -> Answer | Stream:
+        """Route `body` (to `PATHS[route]`) until an engine answers or attempts run out."""
+        headers = self.fleet.engine_headers(authorization)
+        stream = body.get("stream") is True
+        exclude_d: set[str] = set()
+        exclude_p: set[str] = set()
+        exclude_pairs: set[tuple[str, str]] = set()
+        last: str | None = None
+        for _ in range(MAX_ATTEMPTS):
+            request = replace(
+                base,
+                exclude_decode=exclude_d,
+                exclude_prefill=exclude_p,
+                exclude_pairs=exclude_pairs | self.fleet.open_pairs(),
+            )
+            try:
+                decision = policy.decide(self.fleet.snapshots(), request, self.fleet.prefixes)
+            except NoEngineAvailable as exc:
+                if exc.saturated:
+                    return _error(429, f"{exc}; retry later", retry_after_s=1)
+                message = str(exc) if last is None else f"{exc}; the last attempt: {last}"
+                return _error(503, message, retry_after_s=1)
+            self.metrics.decisions.labels(decision.kind, decision.reason).inc()
+            kv: dict[str, Any] | None = None
+            if decision.prefill_url is not None:
+                try:
+                    kv = await self._prefill(decision, body, route, headers)
+                except _Answered as answered:
+                    return answered.answer
+                except (_Failed, _Busy) as exc:
+                    exclude_p.add(decision.prefill_url)
+                    self.metrics.retries.labels("prefill").inc()
+                    last = f"prefill on {decision.prefill_url}: {exc}"
+                    continue
+                self.fleet.prefixes.record(decision.prefill_url, base.block_hashes)
+            self.fleet.prefixes.record(decision.decode_url, base.block_hashes)
+            decode_body = body if kv is None else {**body, "kv_transfer_params": kv}
+            try:
+                outcome = await self._decode(decision, decode_body, route, headers, stream)
+            except (_Failed, _Busy) as exc:
+                if decision.prefill_url is not None and isinstance(exc, _Failed):
+                    self.fleet.end_pair(decision.prefill_url, decision.decode_url, False)
+                    if exc.kind == "status_5xx":
+                        exclude_pairs.add((decision.prefill_url, decision.decode_url))
+                    else:
+                        exclude_d.add(decision.decode_url)
+                else:
+                    exclude_d.add(decision.decode_url)
+                self.metrics.retries.labels("decode").inc()
+                last = f"decode on {decision.decode_url}: {exc}"
+                continue
+            return outcome
+        return _error(503, f"no engine answered after {MAX_ATTEMPTS} attempts; the last: {last}", 1)
+
+    # -- the legs ---------------------------------------------------------------------------
+
+    async def _prefill(
+        self, decision: Decision, body: dict[str, Any], route: str, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        url = decision.prefill_url
+        assert url is not None
+        leg = {**body, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1,
+               "stream": False, "n": 1}  # fmt: skip
+        for key in ("stream_options", "min_tokens"):
+            leg.pop(key, None)
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        if not self.fleet.begin(url):
+            raise _Busy(f"{url}'s breaker allows no request now")
+        outcome: bool | None = None
+        started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
+        )
+        try:
+            try:
+                async with self.session.post(
+                    url + PATHS[route], json=leg, headers=headers, timeout=timeout
+                ) as response:
+                    data = await response.read()
+                    self.metrics.upstream_latency.labels("prefill").observe(
+                        time.monotonic() - started
+                    )
+                    if response.status in _CLIENT_ERRORS_PASSED_ON:
+                        raise _Answered(Answer(response.status, data, _content_type(response)))
+                    if response.status == 429:
+                        raise _Busy("the prefill engine answered 429")
+                    if response.status != 200:
+                        outcome = False
+                        raise self._failed("prefill", "status_5xx", f"answered {response.status}")
+                    try:
+                        params = json.loads(data).get("kv_transfer_params")
+                    except (ValueError, AttributeError):
+                        params = None
+                    if not isinstance(params, dict):
+                        outcome = False
+                        raise self._failed("prefill", "bad_answer", "no kv_transfer_params")
+                    outcome = True
+            except TimeoutError as exc:
+                outcome = False
+                raise self._failed("prefill", "timeout", f"timed out: {exc}") from exc
+            except aiohttp.ClientError as exc:
+                outcome = False
+                raise self._failed("prefill", "connection", f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.fleet.end(url, outcome)
+        return {**params, "do_remote_prefill": True}
+
+    async def _decode(
+        self,
+        decision: Decision,
+        body: dict[str, Any],
+        route: str,
+        headers: dict[str, str],
+        stream: bool,
+    ) -> Answer | Stream:
+        url = decision.decode_url
+        if not self.fleet.begin(url):
+            raise _Busy(f"{url}'s breaker allows no request now")
+        pair = decision.prefill_url
+        role = "unified" if decision.kind == "colocated" else "decode"
+        started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.config.connect_timeout_s,
+            sock_read=self.config.read_timeout_s if stream else None,
+        )
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.config.first_byte_timeout_s):
+                response = await self.session.post(
+                    url + PATHS[route], json=body, headers=headers, timeout=timeout
+                )
+                self.metrics.upstream_latency.labels(role).observe(time.monotonic() - started)
+                if response.status == 200 and stream:
+                    return Stream(response, lambda ok: self._finish(url, pair, ok))
+                data = await response.content.read(MAX_BODY_BYTES)
+        except TimeoutError as exc:
+            self._close(response, url, False)
+            raise self._failed(role, "timeout", "timed out before its answer") from exc
+        except aiohttp.ClientError as exc:
+            self._close(response, url, False)
+            raise self._failed(role, "connection", f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self._close(response, url, None)
+            raise
+        assert response is not None
+        response.release()
+        status = response.status
+        if status == 200:
+            self._finish(url, pair, True)
+            return Answer(200, data, _content_type(response))
+        if status == 429:
+            self.fleet.end(url, None)
+            raise _Busy("the decode engine answered 429")
+        if status in _CLIENT_ERRORS_PASSED_ON:
+            self.fleet.end(url, None)
+            return Answer(status, data, _content_type(response))
+        # A 5xx after a remote prefill is laid on the pair, not the engine (see the docstring).
+        self.fleet.end(url, False if pair is None else None)
+        raise self._failed(role, "status_5xx", f"answered {status}")
+
+    def _finish(self, url: str, prefill: str | None, outcome: bool | None) -> None:
+        self.fleet.end(url, outcome)
+        if prefill is not None:
+            self.fleet.end_pair(prefill, url, outcome)
+
+    def _close(
+        self, response: aiohttp.ClientResponse | None, url: str, outcome: bool | None
+    ) -> None:
+        if response is not None:
+            response.close()
+        self.fleet.end(url, outcome)
+
+    def _failed(self, role: str, kind: str, message: str) -> _Failed:
+        self.metrics.upstream_errors.labels(role, kind).inc()
+        return _Failed(kind, message)
+
+
+class _Answered(Exception):
+    """A leg's answer goes to the client as it is (a client error)."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer.status)
+        self.answer = answer
+
+
+def _content_type(response: aiohttp.ClientResponse) -> str:
+    return response.headers.get("Content-Type", "application/json")
