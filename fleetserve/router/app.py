@@ -253,6 +253,9 @@ async def _pipe(request: web.Request, stream: Stream) -> web.StreamResponse:
     try:
         await response.prepare(request)
         tail = b"\n\n"
+        if stream.head:
+            await response.write(stream.head)
+            tail = stream.head[-2:]
         chunks = upstream.content.iter_any().__aiter__()
         while True:
             try:

@@ -13,9 +13,11 @@ Contract (ARCHITECTURE.md, P/D request protocol):
   answered as the engine wrote it and counts against nothing; a 429 moves to another engine.
 - A decode failure before any byte reached the client is retried: a 5xx after a remote prefill
   counts against the (prefill, decode) pair (the transfer is suspect, the decode engine may be
-  fine), connection errors and timeouts against the decode engine. Once the answer starts
-  streaming it is never replayed (`fleetserve.router.app` ends a broken stream with an error
-  event). At most `MAX_ATTEMPTS` decisions per request.
+  fine), connection errors and timeouts against the decode engine. A streamed answer is held
+  back only up to its first output event (a chat role chunk at most), so an engine that fails
+  before its first token (a KV load that failed) is still retried; once bytes reach the client
+  nothing is replayed (`fleetserve.router.app` ends a broken stream with an error event). At
+  most `MAX_ATTEMPTS` decisions per request.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from fleetserve.router.policy import Decision, NoEngineAvailable, RoutingPolicy,
 __all__ = ["MAX_ATTEMPTS", "PATHS", "Answer", "Forwarder", "Stream"]
 
 MAX_ATTEMPTS = 4
+MAX_HELD_EVENTS = 4
+KV_TRANSFER_FAILED = "kv_transfer_failed"
+"""The error code an engine gives when a prompt's KV never arrived (retryable elsewhere)."""
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _CLIENT_ERRORS_PASSED_ON = frozenset(range(400, 500)) - {408, 429}
@@ -60,6 +65,8 @@ class Stream:
 
     upstream: aiohttp.ClientResponse
     finish: Callable[[bool | None], None]
+    head: bytes = b""
+    """The events already read from `upstream` (up to the first token), to be sent first."""
 
 
 class _Failed(Exception):
@@ -235,7 +242,13 @@ class Forwarder:
                 )
                 self.metrics.upstream_latency.labels(role).observe(time.monotonic() - started)
                 if response.status == 200 and stream:
-                    return Stream(response, lambda ok: self._finish(url, pair, ok))
+                    head, error = await _first_token_events(response)
+                    if error is None:
+                        return Stream(response, lambda ok: self._finish(url, pair, ok), head)
+                    response.close()
+                    kind = "status_5xx" if error.get("code") == KV_TRANSFER_FAILED else "stream"
+                    self.fleet.end(url, False if pair is None or kind != "status_5xx" else None)
+                    raise self._failed(role, kind, f"failed before its first token: {error}")
                 data = await response.content.read(MAX_BODY_BYTES)
         except TimeoutError as exc:
             self._close(response, url, False)
@@ -285,6 +298,48 @@ class _Answered(Exception):
     def __init__(self, answer: Answer) -> None:
         super().__init__(answer.status)
         self.answer = answer
+
+
+async def _first_token_events(
+    response: aiohttp.ClientResponse,
+) -> tuple[bytes, dict[str, Any] | None]:
+    """Read a streamed answer up to its first event that carries output (at most
+    `MAX_HELD_EVENTS` events): the bytes read, and the error if the engine failed before its
+    first token (e.g. `kv_transfer_failed`: the KV load happens before the first token). Nothing
+    has reached the client yet, so such a failure is still retried."""
+    head = b""
+    for _ in range(MAX_HELD_EVENTS):
+        try:
+            event = await response.content.readuntil(b"\n\n")
+        except ValueError:  # an event larger than the read buffer: not held back further
+            break
+        head += event
+        data = event.strip().removeprefix(b"data: ")
+        if not event or data == b"[DONE]":
+            break
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            break
+        if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+            return head, payload["error"]
+        if not _is_preamble(payload):
+            break
+    return head, None
+
+
+def _is_preamble(payload: Any) -> bool:
+    """A chat chunk that carries no output yet (the assistant's role only)."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not choices or not isinstance(choices, list):
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or choice.get("finish_reason") or choice.get("token_ids"):
+            return False
+        if any(value for key, value in delta.items() if key != "role"):
+            return False
+    return True
 
 
 def _content_type(response: aiohttp.ClientResponse) -> str:

@@ -19,7 +19,8 @@ COMPAT = "compat-1"
 @dataclass
 class FakeEngine:
     """`mode`: ok | error500 | error400 | error429 | hang | break (stream `chunks` then drop
-    the connection). `waiting` etc. are what /metrics reports."""
+    the connection) | kv_error (a P/D decode leg fails as an engine whose KV never arrived: 503,
+    or in a stream an error event after the chat role chunk). `waiting` etc. are what /metrics reports."""
 
     name: str
     role: str
@@ -113,6 +114,17 @@ class FakeEngine:
         if kv.get("do_remote_decode"):
             params = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
             return web.json_response({"choices": [{"text": "p"}], "kv_transfer_params": params})
+        if self.mode == "kv_error" and kv.get("do_remote_prefill"):
+            error = {"message": "kv_transfer_failed: the producer died", "type": "x",
+                     "param": None, "code": "kv_transfer_failed"}  # fmt: skip
+            if not body.get("stream"):
+                return web.json_response({"error": error}, status=503)
+            failed = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await failed.prepare(request)
+            role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            await failed.write(f"data: {json.dumps(role)}\n\n".encode())
+            await failed.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            return failed
         if not body.get("stream"):
             self.completed += 1
             return web.json_response({"choices": [{"text": f"from {self.name}"}], "kv": kv})

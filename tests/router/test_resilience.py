@@ -276,3 +276,41 @@ def test_bad_requests_get_openai_errors_and_models_come_from_an_engine() -> None
         assert 'fleetserve:router_decisions_total{kind="disaggregated",reason="always"}' in text
 
     run([FakeEngine("p", "prefill"), FakeEngine("d", "decode")], scenario)
+
+
+def test_colocated_engines_and_prefix_affinity_through_the_app() -> None:
+    async def scenario(client: TestClient[Any, Any], e: dict[str, FakeEngine]) -> None:
+        # The fake tokenizes one token per character: 200 characters are 12 full blocks.
+        prompts = [f"{k}" * 200 for k in "abcd"]
+        first = {}
+        for round_ in range(3):
+            for prompt in prompts:
+                answer = await (await complete(client, prompt=prompt + f" {round_}")).json()
+                served = answer["choices"][0]["text"]
+                first.setdefault(prompt, served)
+                assert served == first[prompt], "a repeated prefix stays on its engine"
+        assert len(set(first.values())) == 2, "distinct prefixes spread over both engines"
+        assert e["u1"].count("plain") + e["u2"].count("plain") == 12
+        assert metric(client, DECISIONS_TOTAL, kind="colocated", reason="unified") >= 12
+
+    run([FakeEngine("u1", "unified"), FakeEngine("u2", "unified")], scenario)
+
+
+DECISIONS_TOTAL = "fleetserve:router_decisions_total"
+
+
+def test_a_kv_transfer_failure_before_the_first_token_is_retried_decode_only() -> None:
+    async def scenario(client: TestClient[Any, Any], e: dict[str, FakeEngine]) -> None:
+        e["d"].mode = "kv_error"
+        for stream in (False, True, False, True):
+            response = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": stream})  # fmt: skip
+            text = await response.text()
+            assert response.status == 200 and "error" not in text, text
+            assert "from d" in text or "d-0" in text
+        # Two failed P/D legs open the pair's breaker: the rest go decode-only at once.
+        assert e["d"].count("pd") == 2 and e["d"].count("plain") == 4
+        assert breaker_state(client, e["d"].url) == "closed", "the decode engine is not to blame"
+        assert metric(client, "fleetserve:router_ejections_total", target="pair") == 1
+
+    run([FakeEngine("p", "prefill"), FakeEngine("d", "decode")], scenario)
