@@ -225,7 +225,7 @@ async def _proxy_inner(request: web.Request, route: str, state: RouterState) -> 
             needs_tokens=state.policy.needs_tokens,
             timeout_s=state.config.connect_timeout_s,
         )
-        outcome = await forwarder.forward(body, route, base, state.policy, authorization)
+        outcome = await forwarder.forward(body, route, base, state.policy, authorization, raw)
         if isinstance(outcome, Answer):
             headers = {"Content-Type": outcome.content_type}
             if outcome.retry_after_s is not None:

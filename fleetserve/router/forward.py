@@ -45,6 +45,7 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"
 """The error code an engine gives when a prompt's KV never arrived (retryable elsewhere)."""
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_BODY_BYTES = 64 * 1024 * 1024
+_JSON = {"Content-Type": "application/json"}
 _CLIENT_ERRORS_PASSED_ON = frozenset(range(400, 500)) - {408, 429}
 
 
@@ -107,8 +108,13 @@ class Forwarder:
         base: RoutingRequest,
         policy: RoutingPolicy,
         authorization: str | None,
+        raw: bytes | None = None,
     ) -> Answer | Stream:
-        """Route `body` (to `PATHS[route]`) until an engine answers or attempts run out."""
+        """Route `body` (to `PATHS[route]`) until an engine answers or attempts run out.
+
+        `raw` is the client's body as it came: a decode-only or colocated request sends exactly
+        those bytes; a disaggregated one sends `body` with the router's `kv_transfer_params`.
+        """
         headers = self.fleet.engine_headers(authorization)
         stream = body.get("stream") is True
         exclude_d: set[str] = set()
@@ -143,7 +149,9 @@ class Forwarder:
                     continue
                 self.fleet.prefixes.record(decision.prefill_url, base.block_hashes)
             self.fleet.prefixes.record(decision.decode_url, base.block_hashes)
-            decode_body = body if kv is None else {**body, "kv_transfer_params": kv}
+            decode_body: dict[str, Any] | bytes = (
+                {**body, "kv_transfer_params": kv} if kv is not None else raw or body
+            )
             try:
                 outcome = await self._decode(decision, decode_body, route, headers, stream)
             except (_Failed, _Busy) as exc:
@@ -218,12 +226,16 @@ class Forwarder:
     async def _decode(
         self,
         decision: Decision,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         route: str,
         headers: dict[str, str],
         stream: bool,
     ) -> Answer | Stream:
         url = decision.decode_url
+        if isinstance(body, bytes):
+            payload: dict[str, Any] = {"data": body, "headers": {**headers, **_JSON}}
+        else:
+            payload = {"json": body, "headers": headers}
         if not self.fleet.begin(url):
             raise _Busy(f"{url}'s breaker allows no request now")
         pair = decision.prefill_url
@@ -237,9 +249,7 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(self.config.first_byte_timeout_s):
-                response = await self.session.post(
-                    url + PATHS[route], json=body, headers=headers, timeout=timeout
-                )
+                response = await self.session.post(url + PATHS[route], timeout=timeout, **payload)
                 self.metrics.upstream_latency.labels(role).observe(time.monotonic() - started)
                 if response.status == 200 and stream:
                     head, error = await _first_token_events(response)

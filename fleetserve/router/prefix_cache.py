@@ -43,8 +43,9 @@ class ApproxPrefixCache:
     def match(self, url: str, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` `url` is believed to hold.
 
-        Each hash chains on its parent, so the run stops at the first unknown hash; matched
-        hashes are refreshed in the LRU.
+        Each hash chains on its parent, so the run stops at the first unknown hash. A lookup
+        changes nothing (the router asks every candidate); `record` on the chosen engine
+        refreshes its entries.
         """
         lru = self._engines.get(url)
         if lru is None:
@@ -53,7 +54,6 @@ class ApproxPrefixCache:
         for h in hashes:
             if h not in lru:
                 break
-            lru.move_to_end(h)
             n += 1
         return n
 

@@ -33,6 +33,7 @@ class FakeEngine:
     kv_usage: float = 0.0
     metrics_ok: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
     aborted: int = 0
     completed: int = 0
     url: str = ""
@@ -97,6 +98,7 @@ class FakeEngine:
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.raw.append(await request.read())
         body = await request.json()
         self.requests.append(body)
         if self.mode == "error500":

@@ -48,6 +48,7 @@ def run(
                     await wait_for(lambda: _status(client, "/health"), 200)
                 for engine in engines:
                     engine.requests.clear()  # drop the readiness generation
+                    engine.raw.clear()
                     engine.completed = engine.aborted = 0
                 await scenario(client, {e.name: e for e in engines})
         finally:
@@ -314,3 +315,32 @@ def test_a_kv_transfer_failure_before_the_first_token_is_retried_decode_only() -
         assert metric(client, "fleetserve:router_ejections_total", target="pair") == 1
 
     run([FakeEngine("p", "prefill"), FakeEngine("d", "decode")], scenario)
+
+
+def test_the_body_passes_through_unchanged_except_kv_transfer_params() -> None:
+    async def scenario(client: TestClient[Any, Any], e: dict[str, FakeEngine]) -> None:
+        raw = b'{"prompt":  "hi",\n "max_tokens": 3, "x_unknown": {"k": [1, 2.50]}}'
+        headers = {"Content-Type": "application/json"}
+        response = await client.post("/v1/completions", data=raw, headers=headers)
+        assert response.status == 200
+        assert e["d"].raw == [raw], "decode-only: the client's bytes exactly"
+
+    run([FakeEngine("d", "decode")], scenario, mode="never")
+
+    async def pd(client: TestClient[Any, Any], e: dict[str, FakeEngine]) -> None:
+        body = {"prompt": "hi", "max_tokens": 3, "x_unknown": {"k": [1, 2.5]}, "stream": True,
+                "stream_options": {"include_usage": True}, "min_tokens": 2}  # fmt: skip
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        prefill, decode = e["p"].requests[0], e["d"].requests[0]
+        kept = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        leg = {
+            "max_tokens": 1,
+            "stream": False,
+            "n": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        assert prefill == {**kept, **leg}
+        kv = {"remote_engine_id": "p", "remote_block_ids": [1, 2], "do_remote_prefill": True}
+        assert decode == {**body, "kv_transfer_params": kv}
+
+    run([FakeEngine("p", "prefill"), FakeEngine("d", "decode")], pd)
