@@ -113,14 +113,16 @@ def _watch_pods(
     from kubernetes import client, watch
     from kubernetes import config as kube_config
 
-    try:
-        kube_config.load_incluster_config()
-    except kube_config.ConfigException:
-        kube_config.load_kube_config()
-    api = client.CoreV1Api()
+    api: Any = None
     failures = 0
     while not stop.is_set():
         try:
+            if api is None:  # in the pod: its service account; elsewhere: the kubeconfig
+                try:
+                    kube_config.load_incluster_config()
+                except kube_config.ConfigException:
+                    kube_config.load_kube_config()
+                api = client.CoreV1Api()
             pods: Any = api.list_namespaced_pod(config.namespace, label_selector=selector)
             current: dict[str, Any] = {p.metadata.name: p for p in pods.items}
             _publish(current, role, config, publish)

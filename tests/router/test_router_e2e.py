@@ -199,3 +199,20 @@ def test_a_client_error_from_the_prefill_engine_is_passed_on_and_opens_no_breake
         assert response.json()["error"]["type"] == "invalid_request_error"
     assert fleet.always.metric("fleetserve:router_ejections_total", target="prefill") == 0
     assert _complete(fleet.always, PROMPTS[1], False) == fleet.expected[1]
+
+
+def test_a_colocated_engine_behind_the_router(fleet: Fleet, tmp_path: Path) -> None:
+    # The decode engine also serves whole requests (no kv_transfer_params): behind `--engine`
+    # it is a colocated engine, and every decision is `colocated`.
+    routers = start_router(tmp_path / "colocated.log", "--discovery", "static", "--engine",
+                           fleet.consumer.base_url, "--disaggregation", "always")  # fmt: skip
+    router = next(routers)
+    try:
+        before = router.metric(DECISIONS, kind="colocated", reason="unified")
+        for stream in (False, True):
+            for prompt, expected in zip(PROMPTS, fleet.expected, strict=True):
+                assert _complete(router, prompt, stream) == expected
+        assert router.metric(DECISIONS, kind="colocated", reason="unified") == before + 8
+        assert router.metric(DECISIONS, kind="disaggregated", reason="always") == 0
+    finally:
+        routers.close()

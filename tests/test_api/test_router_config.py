@@ -175,12 +175,18 @@ def test_router_command_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) ->
         main(["router", "--disaggregation", "sometimes"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+    assert main(["router", "--discovery", "static", "--decode", "http://d:1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: decode URLs with disaggregation always need at least one prefill URL"
+        " (or use --disaggregation never)\n"
+    )
 
 
 def test_router_import_path_loads_no_torch_engine_or_operator() -> None:
     code = (
-        "import sys, fleetserve.router.cli;"
-        "loaded = {m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kopf')"
+        "import sys, fleetserve.router.cli, fleetserve.router.app;"
+        "loaded = {m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kopf',"
+        " 'transformers')"
         " or m.startswith(('fleetserve.engine', 'fleetserve.server', 'fleetserve.operator',"
         " 'fleetserve.kernels'))};"
         "assert not loaded, sorted(loaded)"
