@@ -1,9 +1,11 @@
 """Faults through a real `fleetserve router` process in front of real prefill and decode
-processes (tiny model, tcp): the prefill engine stalled (SIGSTOP: timeouts, its breaker opens,
-decode-only serves; SIGCONT: it is probed back), then killed under load (every request still
-gets the colocated tokens: retried decode-only), then the decode engine killed under load
-(every request gets the colocated tokens or a clear OpenAI-shaped error, nothing hangs, the
-router turns unready). Streams never carry duplicated bytes."""
+processes (tiny model, tcp). One prefill + one decode: the prefill engine stalled (SIGSTOP:
+timeouts, its breaker opens, decode-only serves; SIGCONT: it is probed back), then killed under
+load (every request still gets the colocated tokens: retried decode-only), then the decode
+engine killed under load (the colocated tokens or a clear OpenAI-shaped error, nothing hangs,
+the router turns unready). One prefill + two decodes: a decode engine stalled (retried on the
+other before the first byte, probed back after SIGCONT), then killed under load. Streams never
+carry duplicated bytes (each streamed answer is compared token for token)."""
 
 from __future__ import annotations
 
@@ -170,3 +172,62 @@ def test_stall_kill_prefill_then_kill_decode(tmp_path: Path) -> None:
         router_gen.close()
         consumer.close()
         producer.close()
+
+
+def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
+    model = str(make_tiny_model(tmp_path / "model", "llama"))
+    llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in
+                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]  # fmt: skip
+    del llm
+    servers = [_serve(tmp_path, "p", model, "producer"), _serve(tmp_path, "d1", model, "consumer"),
+               _serve(tmp_path, "d2", model, "consumer")]  # fmt: skip
+    p, d1, d2 = (next(s) for s in servers)
+    router_gen = start_router(
+        tmp_path / "router.log", "--discovery", "static", "--prefill", p.base_url,
+        "--decode", d1.base_url, "--decode", d2.base_url, "--disaggregation", "always",
+        "--breaker-failures", "2", "--breaker-cooldown-s", "1", "--connect-timeout-s", "1",
+        "--first-byte-timeout-s", "3", "--read-timeout-s", "3", "--no-prefix-aware",
+    )  # fmt: skip
+    router = next(router_gen)
+    stopped = False
+
+    def generated(server: ServerHandle) -> float:
+        return server.metrics()["vllm:generation_tokens_total"]
+
+    try:
+        # 1. Stall d1 (its HTTP server and engine core): requests on it time out before their
+        # first byte and are retried on d2; every answer is correct.
+        def stall() -> None:
+            nonlocal stopped
+            _signal_all(d1, signal.SIGSTOP)
+            stopped = True
+
+        results = _load(router, stall, after_s=6)
+        assert _wrong(results, expected) == []
+        assert router.metric("fleetserve:router_ejections_total", target="decode") >= 1
+        assert router.metric("fleetserve:router_retries_total", stage="decode") >= 1
+        # SIGCONT: d1 is probed back and serves again.
+        _signal_all(d1, signal.SIGCONT)
+        stopped = False
+        before = generated(d1)
+        deadline = time.monotonic() + 20
+        while generated(d1) == before:
+            assert time.monotonic() < deadline, "d1 was not probed back"
+            assert _ask(router, 0)[1] == ("ok", expected[0])
+            time.sleep(0.2)
+
+        # 2. Kill d1 under load: what was on it is retried on d2 before its first byte, or
+        # ends with a clear error; afterwards d2 answers everything.
+        results = _load(router, lambda: _signal_all(d1, signal.SIGKILL))
+        for i, (kind, value) in results:
+            assert kind == "error" or value == expected[i % 3], (i, kind, value)
+        for i in range(6):
+            assert _ask(router, i)[1] == ("ok", expected[i % 3])
+    finally:
+        if stopped:
+            _signal_all(d1, signal.SIGCONT)
+        router_gen.close()
+        for server in reversed(servers):
+            server.close()
