@@ -200,17 +200,22 @@ class Fleet:
     # -- scraping ---------------------------------------------------------------------------
 
     async def run_scraper(self, session: aiohttp.ClientSession) -> None:
-        """Scrape every engine each `scrape_interval_s` until cancelled."""
-        while True:
-            started = self.clock()
-            await self.scrape_all(session)
-            await asyncio.sleep(max(0.0, self.config.scrape_interval_s - (self.clock() - started)))
-
-    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
-        """One round: every engine's /metrics (and identity, models when not yet known)."""
-        engines = list(self.engines.values())
-        await asyncio.gather(*(self._scrape(session, e) for e in engines))
-        self._export_engine_counts()
+        """Scrape every engine each `scrape_interval_s` until cancelled. Each engine's scrape
+        runs on its own, so a stalled engine (its scrape waiting for the timeout) delays no
+        other engine's; an engine is not scraped again while its last scrape runs."""
+        running: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for url in [u for u, t in running.items() if t.done()]:
+                    del running[url]
+                for engine in list(self.engines.values()):
+                    if engine.url not in running:
+                        running[engine.url] = asyncio.create_task(self._scrape(session, engine))
+                self._export_engine_counts()
+                await asyncio.sleep(self.config.scrape_interval_s)
+        finally:
+            for task in running.values():
+                task.cancel()
 
     async def _scrape(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_s)
