@@ -259,7 +259,7 @@ class Forwarder:
                     kind = "status_5xx" if error.get("code") == KV_TRANSFER_FAILED else "stream"
                     self.fleet.end(url, False if pair is None or kind != "status_5xx" else None)
                     raise self._failed(role, kind, f"failed before its first token: {error}")
-                data = await response.content.read(MAX_BODY_BYTES)
+                data = await _read_body(response)
         except TimeoutError as exc:
             self._close(response, url, False)
             raise self._failed(role, "timeout", "timed out before its answer") from exc
@@ -350,6 +350,23 @@ def _is_preamble(payload: Any) -> bool:
         if any(value for key, value in delta.items() if key != "role"):
             return False
     return True
+
+
+async def _read_body(response: aiohttp.ClientResponse) -> bytes:
+    """The whole answer body, at most `MAX_BODY_BYTES` (an engine's answer is bounded by its
+    max_tokens; a larger one is a broken engine).
+
+    Raises:
+        aiohttp.ClientPayloadError: the body is larger than `MAX_BODY_BYTES`.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise aiohttp.ClientPayloadError(f"the answer exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _content_type(response: aiohttp.ClientResponse) -> str:

@@ -20,7 +20,7 @@ COMPAT = "compat-1"
 class FakeEngine:
     """`mode`: ok | error500 | error400 | error429 | hang | break (stream `chunks` then drop
     the connection) | kv_error (a P/D decode leg fails as an engine whose KV never arrived: 503,
-    or in a stream an error event after the chat role chunk). `waiting` etc. are what /metrics reports."""
+    or in a stream an error event after the chat role chunk) | big (a 3 MB answer). `waiting` etc. are what /metrics reports."""
 
     name: str
     role: str
@@ -129,7 +129,8 @@ class FakeEngine:
             return failed
         if not body.get("stream"):
             self.completed += 1
-            return web.json_response({"choices": [{"text": f"from {self.name}"}], "kv": kv})
+            text = f"from {self.name}" + ("x" * 3_000_000 if self.mode == "big" else "")
+            return web.json_response({"choices": [{"text": text}], "kv": kv})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:

@@ -344,3 +344,12 @@ def test_the_body_passes_through_unchanged_except_kv_transfer_params() -> None:
         assert decode == {**body, "kv_transfer_params": kv}
 
     run([FakeEngine("p", "prefill"), FakeEngine("d", "decode")], pd)
+
+
+def test_a_large_answer_arrives_whole() -> None:
+    async def scenario(client: TestClient[Any, Any], e: dict[str, FakeEngine]) -> None:
+        e["d"].mode = "big"
+        answer = await (await complete(client)).json()
+        assert answer["choices"][0]["text"] == "from d" + "x" * 3_000_000
+
+    run([FakeEngine("d", "decode")], scenario, mode="never")
