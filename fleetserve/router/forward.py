@@ -41,6 +41,7 @@ __all__ = ["MAX_ATTEMPTS", "PATHS", "Answer", "Forwarder", "Stream"]
 
 MAX_ATTEMPTS = 4
 MAX_HELD_EVENTS = 4
+MAX_HELD_BYTES = 1024 * 1024
 KV_TRANSFER_FAILED = "kv_transfer_failed"
 """The error code an engine gives when a prompt's KV never arrived (retryable elsewhere)."""
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -314,27 +315,30 @@ async def _first_token_events(
     response: aiohttp.ClientResponse,
 ) -> tuple[bytes, dict[str, Any] | None]:
     """Read a streamed answer up to its first event that carries output (at most
-    `MAX_HELD_EVENTS` events): the bytes read, and the error if the engine failed before its
-    first token (e.g. `kv_transfer_failed`: the KV load happens before the first token). Nothing
-    has reached the client yet, so such a failure is still retried."""
+    `MAX_HELD_EVENTS` events or `MAX_HELD_BYTES`): the bytes read (possibly ending inside an
+    event; the caller sends them first and streams the rest), and the error if the engine
+    failed before its first token (e.g. `kv_transfer_failed`: the KV load happens before the
+    first token). Nothing has reached the client yet, so such a failure is still retried."""
     head = b""
-    for _ in range(MAX_HELD_EVENTS):
-        try:
-            event = await response.content.readuntil(b"\n\n")
-        except ValueError:  # an event larger than the read buffer: not held back further
+    scanned = 0
+    events = 0
+    while len(head) <= MAX_HELD_BYTES:
+        chunk = await response.content.readany()
+        if not chunk:
             break
-        head += event
-        data = event.strip().removeprefix(b"data: ")
-        if not event or data == b"[DONE]":
-            break
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            break
-        if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-            return head, payload["error"]
-        if not _is_preamble(payload):
-            break
+        head += chunk
+        while (end := head.find(b"\n\n", scanned)) >= 0:
+            data = head[scanned:end].strip().removeprefix(b"data: ")
+            scanned = end + 2
+            events += 1
+            try:
+                payload = json.loads(data)
+            except ValueError:  # [DONE], a comment or no JSON: nothing to hold back for
+                return head, None
+            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                return head, payload["error"]
+            if not _is_preamble(payload) or events >= MAX_HELD_EVENTS:
+                return head, None
     return head, None
 
 

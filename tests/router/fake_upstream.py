@@ -20,7 +20,8 @@ COMPAT = "compat-1"
 class FakeEngine:
     """`mode`: ok | error500 | error400 | error429 | hang | break (stream `chunks` then drop
     the connection) | kv_error (a P/D decode leg fails as an engine whose KV never arrived: 503,
-    or in a stream an error event after the chat role chunk) | big (a 3 MB answer). `waiting` etc. are what /metrics reports."""
+    or in a stream an error event after the chat role chunk) | big (a 3 MB answer, a 500 kB first
+    stream event). `waiting` etc. are what /metrics reports."""
 
     name: str
     role: str
@@ -135,7 +136,8 @@ class FakeEngine:
         await response.prepare(request)
         try:
             for i in range(self.chunks):
-                event = {"choices": [{"text": f"{self.name}-{i}"}]}
+                big = "x" * 500_000 if self.mode == "big" and i == 0 else ""
+                event = {"choices": [{"text": f"{self.name}-{i}{big}"}]}
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
                 await asyncio.sleep(self.chunk_delay_s)
             if self.mode == "break":

@@ -351,5 +351,9 @@ def test_a_large_answer_arrives_whole() -> None:
         e["d"].mode = "big"
         answer = await (await complete(client)).json()
         assert answer["choices"][0]["text"] == "from d" + "x" * 3_000_000
+        text = await (await complete(client, stream=True)).text()
+        events = [x.removeprefix("data: ") for x in text.split("\n\n") if x.strip()]
+        texts = [json.loads(x)["choices"][0]["text"] for x in events[:-1]]
+        assert texts == ["d-0" + "x" * 500_000, "d-1", "d-2", "d-3"] and events[-1] == "[DONE]"
 
     run([FakeEngine("d", "decode")], scenario, mode="never")
