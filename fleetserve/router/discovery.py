@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -121,7 +122,8 @@ def _watch_pods(
                 try:
                     kube_config.load_incluster_config()
                 except kube_config.ConfigException:
-                    kube_config.load_kube_config()
+                    # NOTE: KUBECONFIG read now (the client reads it once, at its import).
+                    kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
                 api = client.CoreV1Api()
             pods: Any = api.list_namespaced_pod(config.namespace, label_selector=selector)
             current: dict[str, Any] = {p.metadata.name: p for p in pods.items}
