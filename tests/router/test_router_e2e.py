@@ -158,11 +158,18 @@ def test_selective_prefills_remotely_only_what_the_decode_engine_lacks(fleet: Fl
     # Text prompts too: the router tokenizes them on an engine and hashes its token ids.
     text = "the router hashes the blocks of this prompt exactly as the engines do " * 3
     expected_text = _complete(fleet.always, text, False)
+    hits: list[float] = []
     for stream in (False, True):
+        hits.append(fleet.consumer.metrics()["vllm:prefix_cache_hits_total"])
         for prompt, expected in zip(PROMPTS, fleet.expected, strict=True):
             assert _complete(r, prompt, stream) == expected, (stream, len(prompt))
         assert _complete(r, text, stream) == expected_text
     after = decisions()
+    # The router's belief is the engine's truth: the second pass, routed decode-only as
+    # cached, hit the decode engine's prefix cache for at least the 4 full blocks of each of
+    # the three long token prompts.
+    second_pass_hits = fleet.consumer.metrics()["vllm:prefix_cache_hits_total"] - hits[1]
+    assert second_pass_hits >= 3 * 64, second_pass_hits
     delta = {k: after[k] - before[k] for k in after}
     # First pass: the 5-token prompt is short, the 70-token one and the first shared-prefix
     # one are remote; the second shared-prefix one has 9 + partial-block tokens uncached
