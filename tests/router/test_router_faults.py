@@ -198,14 +198,18 @@ def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
 
     try:
         # 1. Stall d1 (its HTTP server and engine core): requests on it time out before their
-        # first byte and are retried on d2; every answer is correct.
+        # first byte and are retried on d2, every such answer correct. A stream that already
+        # had its first tokens from d1 is not replayed: it ends with an error event (at most
+        # one per client thread, the ones streaming at the moment of the stall).
         def stall() -> None:
             nonlocal stopped
             _signal_all(d1, signal.SIGSTOP)
             stopped = True
 
         results = _load(router, stall, after_s=6)
-        assert _wrong(results, expected) == []
+        wrong = _wrong(results, expected)
+        assert all(i % 2 == 1 and r == ("error", "stream") for i, r in wrong), wrong
+        assert len(wrong) <= 4, wrong
         assert router.metric("fleetserve:router_ejections_total", target="decode") >= 1
         assert router.metric("fleetserve:router_retries_total", stage="decode") >= 1
         # SIGCONT: d1 is probed back and serves again.
