@@ -35,7 +35,7 @@ from fleetserve.router.discovery import run_discovery
 from fleetserve.router.fleet import Fleet
 from fleetserve.router.forward import Answer, Forwarder, Stream
 from fleetserve.router.metrics import RouterMetrics
-from fleetserve.router.policy import RoutingPolicy
+from fleetserve.router.policy import RoutingPolicy, RoutingRequest
 from fleetserve.router.prompt import prompt_request
 
 __all__ = ["READY_PROMPT", "STATE_KEY", "RouterState", "create_app"]
@@ -155,8 +155,6 @@ async def _check_generation(state: RouterState) -> None:
     body: dict[str, object] = {"prompt": READY_PROMPT, "max_tokens": 1, "temperature": 0.0}
     if model is not None:
         body["model"] = model
-    from fleetserve.router.policy import RoutingRequest
-
     try:
         answer = await state.forwarder.forward(
             body, "completions", RoutingRequest(), state.warmup_policy, None
