@@ -3,10 +3,13 @@
 The operator renders a router Deployment's arguments with `to_args()`; `fleetserve router` parses
 them with the flags `add_cli_args()` generates and rebuilds the config with `from_args()`. The
 routing fields carry the names of the api's `RouterSpec`/`Disaggregation` (mode,
-min_uncached_tokens, prefix_aware, load_aware); the rest say how to discover the engines.
+min_uncached_tokens, prefix_aware, load_aware); the rest say how to discover the engines (`discovery`: the static URL lists `prefill`, `decode`,
+`engine`, or Kubernetes pod selectors), how to reach them (timeouts, the engines' API key) and the
+router's own bounds (in-flight limit, admission queue, circuit breakers).
 
 Flags are `--` + the field name with dashes, except where a field's metadata names its flag
-(`mode` is `--disaggregation`, ARCHITECTURE.md §3). Booleans are `--x` / `--no-x`.
+(`mode` is `--disaggregation`, ARCHITECTURE.md §3). Booleans are `--x` / `--no-x`; a URL list is
+its flag repeated once per URL (`--decode URL --decode URL`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 __all__ = ["RouterConfig"]
 
@@ -47,8 +51,22 @@ class RouterConfig:
     load_aware: bool = field(
         default=True, metadata=_meta("weigh engines by their scheduler load (queue, KV usage)")
     )
-    discovery: Literal["kubernetes"] = field(
-        default="kubernetes", metadata=_meta("how to find the engines: kubernetes (pod labels)")
+    discovery: Literal["static", "kubernetes"] = field(
+        default="kubernetes",
+        metadata=_meta(
+            "how to find the engines: static (--prefill/--decode/--engine URLs) or kubernetes"
+            " (pods by label selector)"
+        ),
+    )
+    prefill: tuple[str, ...] = field(
+        default=(), metadata=_meta("static discovery: a prefill engine's URL (repeat the flag)")
+    )
+    decode: tuple[str, ...] = field(
+        default=(), metadata=_meta("static discovery: a decode engine's URL (repeat the flag)")
+    )
+    engine: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta("static discovery: a colocated (unified) engine's URL (repeat the flag)"),
     )
     namespace: str = field(default="default", metadata=_meta("namespace of the engine pods"))
     prefill_selector: str | None = field(
@@ -66,6 +84,52 @@ class RouterConfig:
     engine_port: int = field(default=8000, metadata=_meta("the engines' HTTP port"))
     host: str = field(default="0.0.0.0", metadata=_meta("address the router listens on"))
     port: int = field(default=8080, metadata=_meta("port the router listens on"))
+    block_size: int = field(
+        default=16, metadata=_meta("the engines' KV block size (prefix hashing must match it)")
+    )
+    engine_api_key: str | None = field(
+        default=None,
+        metadata=_meta(
+            "bearer token the router sends to the engines (else the client's Authorization"
+            " header is passed on)"
+        ),
+    )
+    max_in_flight: int = field(
+        default=256, metadata=_meta("requests the router forwards at once; more wait in a queue")
+    )
+    max_queued: int = field(
+        default=256, metadata=_meta("requests waiting for an in-flight slot; more get 429")
+    )
+    queue_timeout_s: float = field(
+        default=10.0, metadata=_meta("longest wait for an in-flight slot before a 429")
+    )
+    connect_timeout_s: float = field(default=3.0, metadata=_meta("timeout to connect to an engine"))
+    prefill_timeout_s: float = field(
+        default=120.0, metadata=_meta("timeout of a whole prefill leg")
+    )
+    first_byte_timeout_s: float = field(
+        default=300.0, metadata=_meta("timeout until a decode engine answers with its headers")
+    )
+    read_timeout_s: float = field(
+        default=120.0, metadata=_meta("longest silence between two chunks of a decode answer")
+    )
+    scrape_interval_s: float = field(
+        default=1.0, metadata=_meta("period of the /metrics scrape and health probe of each engine")
+    )
+    saturation_waiting: int = field(
+        default=32,
+        metadata=_meta("an engine with this many waiting requests (or a full KV) is saturated"),
+    )
+    breaker_failures: int = field(
+        default=3, metadata=_meta("consecutive failures that open an engine's or pair's breaker")
+    )
+    breaker_cooldown_s: float = field(
+        default=5.0, metadata=_meta("how long an open breaker waits before a probe")
+    )
+    prefix_cache_blocks: int = field(
+        default=65536,
+        metadata=_meta("block hashes remembered per decode engine (LRU) for prefix affinity"),
+    )
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(RouterConfig)
@@ -81,6 +145,46 @@ class RouterConfig:
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
+        for name in ("block_size", "max_in_flight", "breaker_failures", "prefix_cache_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queued", "saturation_waiting"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in _TIMEOUTS:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        for name in ("prefill", "decode", "engine"):
+            for url in getattr(self, name):
+                _check_url(name, url)
+        if self.discovery == "static":
+            self._check_static()
+        else:
+            self._check_kubernetes()
+
+    def _check_static(self) -> None:
+        for name in ("prefill_selector", "decode_selector", "unified_selector"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is for discovery kubernetes, not static")
+        if self.prefill and not self.decode:
+            raise ValueError("prefill URLs need at least one decode URL to hand their KV to")
+        if not self.decode and not self.engine:
+            raise ValueError("discovery static needs at least one decode or engine URL")
+        if self.mode != "never" and self.decode and not self.prefill:
+            raise ValueError(
+                f"decode URLs with disaggregation {self.mode} need at least one prefill URL"
+                " (or use --disaggregation never)"
+            )
+        urls = [*self.prefill, *self.decode, *self.engine]
+        dup = next((u for u in urls if urls.count(u) > 1), None)
+        if dup is not None:
+            raise ValueError(f"engine URL {dup} is listed twice")
+
+    def _check_kubernetes(self) -> None:
+        for name in ("prefill", "decode", "engine"):
+            if getattr(self, name):
+                raise ValueError(f"{name} URLs need discovery static (--discovery static)")
         split = self.prefill_selector is not None or self.decode_selector is not None
         if split == (self.unified_selector is not None) or (
             split and (self.prefill_selector is None or self.decode_selector is None)
@@ -98,6 +202,9 @@ class RouterConfig:
             flag = _flag(f.name, f.metadata)
             if isinstance(value, bool):
                 args.append(flag if value else "--no-" + flag.removeprefix("--"))
+            elif isinstance(value, tuple):
+                for item in value:
+                    args += [flag, item]
             elif value is not None:
                 args += [flag, str(value)]
         return args
@@ -114,11 +221,13 @@ class RouterConfig:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif _is_literal(kind):
                 kwargs["choices"] = list(typing.get_args(kind))
+            elif typing.get_origin(kind) is tuple:
+                kwargs.update(action="append", default=None, metavar="URL")
             else:
-                kwargs["type"] = int if kind is int else str
+                kwargs["type"] = {int: int, float: float}.get(kind, str)
             help_text = f.metadata.get("help", "")
             kwargs["help"] = (
-                f"{help_text} (default: {default})" if default is not None else help_text
+                f"{help_text} (default: {default})" if default not in (None, ()) else help_text
             )
             parser.add_argument(_flag(f.name, f.metadata), **kwargs)
 
@@ -127,9 +236,40 @@ class RouterConfig:
         """The config from a namespace parsed with `add_cli_args`' flags.
 
         Raises:
-            ValueError: a value out of range, or selectors that do not name a role layout.
+            ValueError: a value out of range, a malformed URL, or engines (URLs or selectors)
+                that do not name a role layout.
         """
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+        values = {f.name: getattr(namespace, f.name) for f in fields(cls)}
+        for name in ("prefill", "decode", "engine"):
+            values[name] = tuple(values[name] or ())
+        return cls(**values)
+
+
+_TIMEOUTS = (
+    "queue_timeout_s", "connect_timeout_s", "prefill_timeout_s", "first_byte_timeout_s",
+    "read_timeout_s", "scrape_interval_s", "breaker_cooldown_s",
+)  # fmt: skip
+
+
+def _check_url(name: str, url: str) -> None:
+    """An engine's base URL: http(s)://host:port with no path, query or credentials."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or port is None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ValueError(
+            f"{name} URL must look like http://HOST:PORT (no path or credentials), got {url!r}"
+        )
 
 
 def _flag(name: str, metadata: Any) -> str:

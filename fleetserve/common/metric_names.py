@@ -1,7 +1,8 @@
 """The engine's Prometheus metrics, declared once: names, kinds, help texts and buckets.
 
 The engine registers exactly these (`fleetserve.engine.metrics`); the router and the operator's
-autoscaler read the same names from the engines' `/metrics`. The names are vLLM's, so Gateway API
+autoscaler read the same names from the engines' `/metrics`. The router's own metrics
+(`fleetserve:router_*`) are declared here too. The names are vLLM's, so Gateway API
 Inference Extension pickers, KEDA triggers and existing dashboards work unchanged.
 """
 
@@ -34,6 +35,16 @@ __all__ = [
     "PREFIX_CACHE_QUERIES",
     "PROMPT_TOKENS",
     "REQUEST_QUEUE_TIME",
+    "ROUTER_DECISIONS",
+    "ROUTER_EJECTIONS",
+    "ROUTER_ENGINES",
+    "ROUTER_IN_FLIGHT",
+    "ROUTER_METRICS",
+    "ROUTER_QUEUE_DEPTH",
+    "ROUTER_REQUESTS",
+    "ROUTER_RETRIES",
+    "ROUTER_UPSTREAM_ERRORS",
+    "ROUTER_UPSTREAM_LATENCY",
     "TIME_TO_FIRST_TOKEN",
     "MetricSpec",
 ]
@@ -185,3 +196,64 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     REQUEST_QUEUE_TIME,
 )
 """Every metric the engine's API server exports, in registration order."""
+
+# -- the router's own metrics (`fleetserve.router.metrics`; no model_name label) ---------------
+
+ROUTER_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+ROUTER_REQUESTS = MetricSpec(
+    "fleetserve:router_requests", "counter",
+    "Client requests the router answered, by route and HTTP status.", labels=("route", "status"),
+)  # fmt: skip
+ROUTER_DECISIONS = MetricSpec(
+    "fleetserve:router_decisions", "counter",
+    "Routing decisions by kind (disaggregated, decode_only, colocated) and reason.",
+    labels=("kind", "reason"),
+)  # fmt: skip
+ROUTER_RETRIES = MetricSpec(
+    "fleetserve:router_retries", "counter",
+    "Upstream attempts repeated on another engine (or decode-only), by the stage that failed.",
+    labels=("stage",),
+)  # fmt: skip
+ROUTER_EJECTIONS = MetricSpec(
+    "fleetserve:router_ejections", "counter",
+    "Circuit breakers opened, by what they guard (prefill, decode, unified, pair).",
+    labels=("target",),
+)  # fmt: skip
+ROUTER_UPSTREAM_LATENCY = MetricSpec(
+    "fleetserve:router_upstream_latency_seconds", "histogram",
+    "Time from sending an upstream request to its answer's headers (prefill: the whole leg).",
+    ROUTER_LATENCY_BUCKETS_S, labels=("role",),
+)  # fmt: skip
+ROUTER_UPSTREAM_ERRORS = MetricSpec(
+    "fleetserve:router_upstream_errors", "counter",
+    "Failed upstream attempts by role and kind (status_5xx, timeout, connection, stream).",
+    labels=("role", "kind"),
+)  # fmt: skip
+ROUTER_QUEUE_DEPTH = MetricSpec(
+    "fleetserve:router_queue_depth", "gauge", "Requests waiting for an in-flight slot."
+)
+ROUTER_IN_FLIGHT = MetricSpec(
+    "fleetserve:router_in_flight", "gauge", "Requests the router is forwarding now."
+)
+ROUTER_ENGINES = MetricSpec(
+    "fleetserve:router_engines", "gauge",
+    "Engines the router knows, by role and whether they take requests now.",
+    labels=("role", "available"),
+)  # fmt: skip
+
+ROUTER_METRICS: tuple[MetricSpec, ...] = (
+    ROUTER_REQUESTS,
+    ROUTER_DECISIONS,
+    ROUTER_RETRIES,
+    ROUTER_EJECTIONS,
+    ROUTER_UPSTREAM_LATENCY,
+    ROUTER_UPSTREAM_ERRORS,
+    ROUTER_QUEUE_DEPTH,
+    ROUTER_IN_FLIGHT,
+    ROUTER_ENGINES,
+)
+"""Everything the router exports (its `labels` are all its labels: no `model_name`)."""

@@ -1,5 +1,7 @@
-"""The OpenAI ingress in front of an InferenceDeployment's engines (no torch, no engine imports).
+"""The OpenAI router in front of an InferenceDeployment's engines (no torch, no engine imports).
 
-Only its command line exists in this build: `fleetserve router` parses every flag through
-`fleetserve.api.router_config.RouterConfig` and then refuses to start (issue 15 builds the router).
+`policy` (pure decisions), `prefix_cache` and `breaker` (pure state), `fleet` (engine state and
+the /metrics scraper), `discovery` (static URLs or Kubernetes pods), `prompt` (tokens and block
+hashes), `forward` (the P/D legs, retries), `admission` (bounded queue), `app` (`create_app`),
+`cli` (`fleetserve router`).
 """

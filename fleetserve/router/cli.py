@@ -1,36 +1,50 @@
-"""`fleetserve router`: the router's command line, which refuses to run until the router exists.
+"""`fleetserve router`: run the OpenAI router (`fleetserve.router.app`) until interrupted.
 
 Every flag is generated from `RouterConfig` and parsed through it, so the flags the operator
-renders are checked exactly as the real router will check them; then the command exits 2 with one
-line on stderr. Accepting the flags and serving nothing would be a silent lie.
+renders are checked exactly as the router uses them; a bad value exits 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 from typing import Any
+
+from aiohttp import web
 
 from fleetserve.api.router_config import RouterConfig
 
-__all__ = ["NOT_IMPLEMENTED", "register"]
+__all__ = ["register"]
 
-NOT_IMPLEMENTED = (
-    "error: fleetserve router is not implemented in this build yet (issue 15); its flags parse,"
-    " but nothing would route requests, so it refuses to start"
-)
+logger = logging.getLogger("fleetserve.router")
 
 
 def _run(args: argparse.Namespace) -> int:
-    RouterConfig.from_args(args)  # a bad value raises ValueError (the CLI prints it, exit 2)
-    print(NOT_IMPLEMENTED, file=sys.stderr)
-    return 2
+    config = RouterConfig.from_args(args)  # a bad value raises ValueError (the CLI prints it)
+    from fleetserve.router.app import create_app
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config)
+    logger.info("router listening on %s:%d (%s discovery, disaggregation %s)",
+                config.host, config.port, config.discovery, config.mode)  # fmt: skip
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=5.0,
+    )
+    return 0
 
 
 def register(subparsers: Any) -> None:
     """Add the `router` subcommand to the top-level CLI's subparsers."""
     parser = subparsers.add_parser(
-        "router", help="the OpenAI ingress (not implemented in this build: exits 2)"
+        "router", help="the OpenAI router in front of prefill, decode and colocated engines"
     )
     RouterConfig.add_cli_args(parser)
     parser.set_defaults(func=_run)

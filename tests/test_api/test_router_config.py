@@ -1,4 +1,5 @@
-"""RouterConfig: one definition of the router's flags, and the honest `fleetserve router`."""
+"""RouterConfig: one definition of the router's flags (static and Kubernetes discovery), and
+`fleetserve router` refusing bad flags before it starts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from fleetserve.api.models import Disaggregation, RouterSpec
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.cli import main
-from fleetserve.router.cli import NOT_IMPLEMENTED
 
 PD = {"prefill_selector": "a=b,r=prefill", "decode_selector": "a=b,r=decode"}
 
@@ -40,14 +40,29 @@ def _parser() -> argparse.ArgumentParser:
             **PD,
         ),
         RouterConfig(mode="never", unified_selector="a=b,r=unified", port=65535),
+        RouterConfig(
+            discovery="static",
+            prefill=("http://127.0.0.1:8101",),
+            decode=("http://127.0.0.1:8102", "https://[::1]:8103"),
+            engine=("http://e:1",),
+            mode="selective",
+            engine_api_key="k",
+            queue_timeout_s=0.5,
+            breaker_failures=7,
+        ),
     ],
 )
 def test_args_round_trip(config: RouterConfig) -> None:
     args = config.to_args()
     assert RouterConfig.from_args(_parser().parse_args(args)) == config
-    # Every set field is on the command line: nothing falls back to a parser default.
+    # Every set field is on the command line (a URL list once per URL): nothing falls back to a
+    # parser default.
     flags = [a for a in args if a.startswith("--")]
-    assert len(flags) == len([f for f in fields(config) if getattr(config, f.name) is not None])
+    expected = 0
+    for f in fields(config):
+        value = getattr(config, f.name)
+        expected += len(value) if isinstance(value, tuple) else value is not None
+    assert len(flags) == expected
 
 
 def test_flags_come_from_the_fields() -> None:
@@ -103,15 +118,54 @@ def test_bad_values_name_the_field(kwargs: dict, message: str) -> None:
         RouterConfig(**kwargs)
 
 
-def test_router_command_parses_then_refuses(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["router", *RouterConfig(**PD).to_args()]
-    assert main(args) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err == NOT_IMPLEMENTED + "\n"
-    assert captured.err.startswith(
-        "error: fleetserve router is not implemented in this build yet (issue 15); "
+def test_the_static_cli_contract() -> None:
+    line = (
+        "--discovery static --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102"
+        " --engine http://127.0.0.1:8103 --host 127.0.0.1 --port 8000 --disaggregation"
+        " selective --min-uncached-tokens 32 --no-prefix-aware --no-load-aware"
     )
+    args = line.split(" ")
+    config = RouterConfig.from_args(_parser().parse_args(args))
+    assert (config.prefill, config.decode, config.engine) == (
+        ("http://127.0.0.1:8101",), ("http://127.0.0.1:8102",), ("http://127.0.0.1:8103",),
+    )  # fmt: skip
+    assert (config.host, config.port, config.mode, config.min_uncached_tokens) == (
+        "127.0.0.1", 8000, "selective", 32,
+    )  # fmt: skip
+    assert not config.prefix_aware and not config.load_aware
+    line = (
+        "--discovery kubernetes --namespace ns --prefill-selector a=p --decode-selector a=d"
+        " --compatibility-hash h --engine-port 8000 --port 8080"
+    )
+    k8s = line.split(" ")
+    config = RouterConfig.from_args(_parser().parse_args(k8s))
+    assert (config.namespace, config.prefill_selector, config.engine_port) == ("ns", "a=p", 8000)
+
+
+S = {"discovery": "static"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({**S}, "needs at least one decode or engine URL"),
+        ({**S, "prefill": ("http://p:1",)}, "prefill URLs need at least one decode URL"),
+        ({**S, "decode": ("http://d:1",)}, "need at least one prefill URL"),
+        ({**S, "decode": ("http://d:1", "http://d:1"), "mode": "never"}, "listed twice"),
+        ({**S, "engine": ("d:1",)}, "engine URL must look like http://HOST:PORT"),
+        ({**S, "engine": ("http://d",)}, "engine URL must look like"),
+        ({**S, "decode": ("http://d:1/v1",), "mode": "never"}, "decode URL must look like"),
+        ({**S, "engine": ("http://e:1",), **PD}, "prefill_selector is for discovery kubernetes"),
+        ({**PD, "decode": ("http://d:1",)}, "decode URLs need discovery static"),
+        ({**PD, "read_timeout_s": 0.0}, "read_timeout_s must be > 0 seconds"),
+        ({**PD, "max_in_flight": 0}, "max_in_flight must be >= 1"),
+        ({**PD, "max_queued": -1}, "max_queued must be >= 0"),
+        ({**PD, "discovery": "dns"}, r"discovery must be one of \['static', 'kubernetes'\]"),
+    ],
+)
+def test_bad_static_values_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kwargs)
 
 
 def test_router_command_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,12 +175,18 @@ def test_router_command_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) ->
         main(["router", "--disaggregation", "sometimes"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+    assert main(["router", "--discovery", "static", "--decode", "http://d:1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: decode URLs with disaggregation always need at least one prefill URL"
+        " (or use --disaggregation never)\n"
+    )
 
 
 def test_router_import_path_loads_no_torch_engine_or_operator() -> None:
     code = (
-        "import sys, fleetserve.router.cli;"
-        "loaded = {m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kopf')"
+        "import sys, fleetserve.router.cli, fleetserve.router.app;"
+        "loaded = {m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kopf',"
+        " 'transformers')"
         " or m.startswith(('fleetserve.engine', 'fleetserve.server', 'fleetserve.operator',"
         " 'fleetserve.kernels'))};"
         "assert not loaded, sorted(loaded)"

@@ -1,0 +1,274 @@
+"""The fleet as the router sees it: each engine's role, compatibility hash, scraped load,
+in-flight count and circuit breaker, the (prefill, decode) pair breakers, and the approximate
+prefix cache; plus the scraper that refreshes load and health from each engine's `/metrics`.
+
+Discovery (static lists or Kubernetes pods, `fleetserve.router.discovery`) calls `update` with
+the endpoints of one source; engines that leave are forgotten with their breakers and prefixes.
+A static prefill or decode engine's compatibility hash is learned from its `GET /kv_transfer`
+(the identity of its KV connector); until it is known the engine is not paired. An engine takes
+requests only after one successful scrape. Everything here runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+
+from fleetserve.api.router_config import RouterConfig
+from fleetserve.router.breaker import CircuitBreaker
+from fleetserve.router.metrics import RouterMetrics, parse_engine_load
+from fleetserve.router.policy import EngineLoad, EngineSnapshot, Role
+from fleetserve.router.prefix_cache import ApproxPrefixCache
+
+__all__ = ["Endpoint", "EngineState", "Fleet"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One engine as discovery found it."""
+
+    url: str
+    role: Role
+    compatibility_hash: str | None = None
+    """From the pod's label; None for a static engine (learned from /kv_transfer)."""
+
+
+@dataclass(slots=True)
+class EngineState:
+    """Mutable per-engine state (owned by `Fleet`)."""
+
+    url: str
+    role: Role
+    compatibility_hash: str | None
+    learn_identity: bool
+    breaker: CircuitBreaker
+    load: EngineLoad
+    in_flight: int = 0
+    scraped: bool = False
+    model: str | None = None
+    """The first model id its /v1/models lists (what the readiness generation asks for)."""
+
+
+class Fleet:
+    """The engines, their breakers and the prefix cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.engines: dict[str, EngineState] = {}
+        self.prefixes = ApproxPrefixCache(config.prefix_cache_blocks)
+        self._pairs: dict[tuple[str, str], CircuitBreaker] = {}
+        self._sources: dict[str, set[str]] = {}
+
+    # -- membership -------------------------------------------------------------------------
+
+    def update(self, source: str, endpoints: Iterable[Endpoint]) -> None:
+        """Replace the endpoints that `source` (a static list or a pod selector) provides."""
+        new = {e.url: e for e in endpoints}
+        for url in self._sources.get(source, set()) - set(new):
+            self._remove(url)
+        for url, endpoint in new.items():
+            known = self.engines.get(url)
+            if (
+                known is not None
+                and known.role == endpoint.role
+                and (
+                    known.learn_identity or known.compatibility_hash == endpoint.compatibility_hash
+                )
+            ):
+                continue
+            if known is not None:
+                self._remove(url)
+            learn = endpoint.role != "unified" and endpoint.compatibility_hash is None
+            self.engines[url] = EngineState(
+                url=url,
+                role=endpoint.role,
+                compatibility_hash=endpoint.compatibility_hash,
+                learn_identity=learn,
+                breaker=self._breaker(),
+                load=EngineLoad(),
+            )
+            logger.info("engine %s (%s) joined", url, endpoint.role)
+        self._sources[source] = set(new)
+        self._export_engine_counts()
+
+    def _remove(self, url: str) -> None:
+        if self.engines.pop(url, None) is not None:
+            logger.info("engine %s left", url)
+        self.prefixes.forget(url)
+        for pair in [p for p in self._pairs if url in p]:
+            del self._pairs[pair]
+
+    def _breaker(self) -> CircuitBreaker:
+        return CircuitBreaker(
+            self.config.breaker_failures, self.config.breaker_cooldown_s, clock=self.clock
+        )
+
+    # -- what the policy sees ---------------------------------------------------------------
+
+    def usable(self, engine: EngineState) -> bool:
+        """Scraped once, identity known (unless unified) and its breaker lets a request by."""
+        return (
+            engine.scraped
+            and (engine.role == "unified" or engine.compatibility_hash is not None)
+            and engine.breaker.available()
+        )
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [
+            EngineSnapshot(
+                url=e.url,
+                role=e.role,
+                compatibility_hash=e.compatibility_hash,
+                load=e.load,
+                available=self.usable(e),
+                in_flight=e.in_flight,
+            )
+            for e in self.engines.values()
+        ]
+
+    def open_pairs(self) -> set[tuple[str, str]]:
+        """(prefill, decode) pairs whose breaker does not let a request by now."""
+        return {pair for pair, b in self._pairs.items() if not b.available()}
+
+    def pair_breaker(self, prefill: str, decode: str) -> CircuitBreaker:
+        breaker = self._pairs.get((prefill, decode))
+        if breaker is None:
+            breaker = self._pairs[(prefill, decode)] = self._breaker()
+        return breaker
+
+    # -- request accounting -----------------------------------------------------------------
+
+    def begin(self, url: str) -> bool:
+        """Take `url`'s breaker permission (the half-open trial slot, if that is the state)
+        and count one request in flight; False if the engine is gone or its breaker is open."""
+        engine = self.engines.get(url)
+        if engine is None or not engine.breaker.acquire():
+            return False
+        engine.in_flight += 1
+        return True
+
+    def end(self, url: str, outcome: bool | None) -> None:
+        """The request `begin` counted ended: True succeeded, False failed (5xx, timeout,
+        connection error: the breaker counts it), None neither (client error, 429, the client
+        went away)."""
+        engine = self.engines.get(url)
+        if engine is None:
+            return
+        engine.in_flight = max(0, engine.in_flight - 1)
+        self._outcome(engine.breaker, outcome, engine.role)
+
+    def end_pair(self, prefill: str, decode: str, outcome: bool | None) -> None:
+        """The outcome of one disaggregated request for its pair's breaker."""
+        if prefill in self.engines and decode in self.engines:
+            self._outcome(self.pair_breaker(prefill, decode), outcome, "pair")
+
+    def _outcome(self, breaker: CircuitBreaker, outcome: bool | None, target: str) -> None:
+        if outcome is True:
+            breaker.record_success()
+        elif outcome is False:
+            if breaker.record_failure():
+                self.metrics.ejections.labels(target).inc()
+                logger.warning("circuit opened for a %s", target)
+        else:
+            breaker.release()
+        self._export_engine_counts()
+
+    def _export_engine_counts(self) -> None:
+        counts: dict[tuple[str, str], int] = {
+            (role, flag): 0 for role in ("prefill", "decode", "unified") for flag in ("1", "0")
+        }
+        for e in self.engines.values():
+            counts[(e.role, "1" if self.usable(e) else "0")] += 1
+        for (role, flag), n in counts.items():
+            self.metrics.engines.labels(role, flag).set(n)
+
+    # -- scraping ---------------------------------------------------------------------------
+
+    async def run_scraper(self, session: aiohttp.ClientSession) -> None:
+        """Scrape every engine each `scrape_interval_s` until cancelled. Each engine's scrape
+        runs on its own, so a stalled engine (its scrape waiting for the timeout) delays no
+        other engine's; an engine is not scraped again while its last scrape runs."""
+        running: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for url in [u for u, t in running.items() if t.done()]:
+                    del running[url]
+                for engine in list(self.engines.values()):
+                    if engine.url not in running:
+                        running[engine.url] = asyncio.create_task(self._scrape(session, engine))
+                self._export_engine_counts()
+                await asyncio.sleep(self.config.scrape_interval_s)
+        finally:
+            for task in running.values():
+                task.cancel()
+
+    async def _scrape(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_s)
+        try:
+            async with session.get(f"{engine.url}/metrics", timeout=timeout) as response:
+                if response.status != 200:
+                    raise ValueError(f"GET /metrics answered {response.status}")
+                load = parse_engine_load(await response.text())
+            if engine.learn_identity and engine.compatibility_hash is None:
+                await self._learn_identity(session, engine, timeout)
+            if engine.model is None:
+                engine.model = await self._first_model(session, engine, timeout)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if self.engines.get(engine.url) is engine:
+                logger.debug("scrape of %s failed: %s", engine.url, exc)
+                if engine.scraped or engine.breaker.state != "closed":
+                    self._outcome(engine.breaker, False, engine.role)
+            return
+        engine.load = load
+        engine.scraped = True
+
+    async def _learn_identity(
+        self, session: aiohttp.ClientSession, engine: EngineState, timeout: aiohttp.ClientTimeout
+    ) -> None:
+        async with session.get(f"{engine.url}/kv_transfer", timeout=timeout) as response:
+            if response.status == 404:
+                raise ValueError(f"{engine.url} has no KV connector but was given as {engine.role}")
+            if response.status != 200:
+                raise ValueError(f"GET /kv_transfer answered {response.status}")
+            identity = await response.json()
+        role = identity.get("role")
+        expected = "producer" if engine.role == "prefill" else "consumer"
+        if role not in (expected, "both"):
+            raise ValueError(f"{engine.url} is a KV {role}, but was given as {engine.role}")
+        compat = identity.get("compatibility_hash")
+        if not isinstance(compat, str) or not compat:
+            raise ValueError(f"{engine.url}'s /kv_transfer names no compatibility_hash")
+        engine.compatibility_hash = compat
+
+    async def _first_model(
+        self, session: aiohttp.ClientSession, engine: EngineState, timeout: aiohttp.ClientTimeout
+    ) -> str | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            async with session.get(
+                f"{engine.url}/v1/models", timeout=timeout, headers=self.engine_headers(None)
+            ) as response:
+                if response.status == 200:
+                    data = await response.json()
+                    return str(data["data"][0]["id"])
+        return None
+
+    def engine_headers(self, client_authorization: str | None) -> dict[str, str]:
+        """Headers for a request to an engine: the configured key, else the client's own."""
+        if self.config.engine_api_key:
+            return {"Authorization": f"Bearer {self.config.engine_api_key}"}
+        return {"Authorization": client_authorization} if client_authorization else {}

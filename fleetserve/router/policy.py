@@ -1,0 +1,249 @@
+"""The routing policy: which decode engine serves a request, and whether a prefill engine runs
+its prompt first. Pure: no HTTP, no asyncio, no clock; the caller passes snapshots of the fleet.
+
+Decode first. Candidates are the available decode and unified engines not excluded for this
+request; an engine whose queue or KV cache is full (`EngineLoad.saturated`) is skipped while
+another is not. Each candidate is scored
+
+    score = prefix_fraction (prefix-aware) - load_weight * load (load-aware)
+
+where `prefix_fraction` is the share of the prompt's full blocks the engine is believed to hold
+(the longest run of its block hashes in the router's `ApproxPrefixCache`) and `load` in [0, 2]
+combines the engine's queue (waiting / saturation), its running batch and KV usage. With
+load_weight 0.5 a full prefix hit beats an idle engine unless the hit one is half saturated.
+Ties go round-robin.
+
+Then prefill: a unified engine never uses one (`colocated`). Otherwise the mode decides:
+`never` is decode-only; `always` takes the least loaded available prefill engine whose
+compatibility hash equals the decode engine's (and whose pair breaker is closed); `selective`
+does so only when at least `min_uncached_tokens` prompt tokens are not already cached on the
+chosen decode engine. With no usable prefill engine (none compatible, all broken or saturated)
+the request is decode-only: the decode engine computes the whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fleetserve.common.block_hash import BlockHash
+from fleetserve.router.prefix_cache import ApproxPrefixCache
+
+__all__ = [
+    "Decision",
+    "DecisionKind",
+    "EngineLoad",
+    "EngineSnapshot",
+    "NoEngineAvailable",
+    "Role",
+    "RoutingPolicy",
+    "RoutingRequest",
+]
+
+Role = Literal["prefill", "decode", "unified"]
+DecisionKind = Literal["disaggregated", "decode_only", "colocated"]
+
+LOAD_WEIGHT = 0.5
+"""How much one unit of load costs against a full prefix hit (see the module docstring)."""
+KV_SATURATED = 0.98
+"""KV usage at or above which an engine is saturated (it would preempt or queue)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """An engine's scheduler load as last scraped from its /metrics."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the policy knows about one engine at decision time."""
+
+    url: str
+    role: Role
+    compatibility_hash: str | None
+    """Its KV compatibility hash (None: unknown or no connector; never paired)."""
+    load: EngineLoad = field(default_factory=EngineLoad)
+    available: bool = True
+    """Discovered ready and its breaker allows a request."""
+    in_flight: int = 0
+    """Requests the router has on it now (fresher than the scraped load)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """The request as the policy sees it (hashes from `fleetserve.common.block_hash`)."""
+
+    block_hashes: Sequence[BlockHash] = ()
+    num_prompt_tokens: int | None = None
+    """None when the prompt was not tokenized (selective mode then prefills remotely)."""
+    disaggregable: bool = True
+    """False for requests the P/D protocol cannot carry (a batch of prompts)."""
+    exclude_decode: Collection[str] = ()
+    exclude_prefill: Collection[str] = ()
+    exclude_pairs: Collection[tuple[str, str]] = ()
+    """(prefill, decode) pairs that failed for this request already."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes. `reason` is a short metric label value."""
+
+    decode_url: str
+    prefill_url: str | None
+    kind: DecisionKind
+    reason: str
+    cached_tokens: int = 0
+    """Prompt tokens believed cached on the decode engine."""
+
+
+class NoEngineAvailable(Exception):
+    """No decode or unified engine can take the request; `saturated` when some exist but all
+    are saturated (the client should retry later: 429) rather than down (503)."""
+
+    def __init__(self, message: str, *, saturated: bool) -> None:
+        super().__init__(message)
+        self.saturated = saturated
+
+
+class RoutingPolicy:
+    """Pure routing decisions; holds only its settings and a round-robin counter."""
+
+    def __init__(
+        self,
+        *,
+        mode: Literal["always", "selective", "never"],
+        min_uncached_tokens: int,
+        block_size: int,
+        prefix_aware: bool = True,
+        load_aware: bool = True,
+        saturation_waiting: int = 32,
+    ) -> None:
+        if mode not in ("always", "selective", "never"):
+            raise ValueError(f"mode must be always, selective or never, got {mode!r}")
+        if min_uncached_tokens < 0:
+            raise ValueError(f"min_uncached_tokens must be >= 0, got {min_uncached_tokens}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.mode = mode
+        self.min_uncached_tokens = min_uncached_tokens
+        self.block_size = block_size
+        self.prefix_aware = prefix_aware
+        self.load_aware = load_aware
+        self.saturation_waiting = saturation_waiting
+        self._turn = 0
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether decisions use the prompt's tokens (else the caller may skip tokenizing)."""
+        return self.prefix_aware or self.mode == "selective"
+
+    def saturated(self, engine: EngineSnapshot) -> bool:
+        """Queue at the saturation limit or KV cache full."""
+        load = engine.load
+        queue = max(load.waiting, engine.in_flight - load.running)
+        return (self.saturation_waiting > 0 and queue >= self.saturation_waiting) or (
+            load.kv_usage >= KV_SATURATED
+        )
+
+    def decide(
+        self,
+        engines: Sequence[EngineSnapshot],
+        request: RoutingRequest,
+        prefixes: ApproxPrefixCache,
+    ) -> Decision:
+        """Pick the decode engine, then whether and where to prefill remotely.
+
+        Raises:
+            NoEngineAvailable: no decode or unified engine is available for the request.
+        """
+        self._turn += 1
+        candidates = [
+            e
+            for e in engines
+            if e.role in ("decode", "unified") and e.url not in request.exclude_decode
+        ]
+        usable = [e for e in candidates if e.available]
+        if not usable:
+            raise NoEngineAvailable(
+                "no decode engine is available"
+                + (" (all are down or ejected)" if candidates else " (none discovered)"),
+                saturated=False,
+            )
+        unsaturated = [e for e in usable if not self.saturated(e)]
+        if not unsaturated:
+            raise NoEngineAvailable("every decode engine is saturated", saturated=True)
+        decode, matched = self._best(unsaturated, request.block_hashes, prefixes)
+        cached = matched * self.block_size
+        if decode.role == "unified":
+            return Decision(decode.url, None, "colocated", "unified", cached)
+        if self.mode == "never":
+            return Decision(decode.url, None, "decode_only", "mode_never", cached)
+        if not request.disaggregable:
+            return Decision(decode.url, None, "decode_only", "batch", cached)
+        if self.mode == "selective" and request.num_prompt_tokens is not None:
+            uncached = request.num_prompt_tokens - cached
+            if uncached < self.min_uncached_tokens:
+                reason = (
+                    "short_prompt"
+                    if request.num_prompt_tokens < self.min_uncached_tokens
+                    else "prefix_cached"
+                )
+                return Decision(decode.url, None, "decode_only", reason, cached)
+        prefills = [
+            e
+            for e in engines
+            if e.role == "prefill"
+            and e.compatibility_hash is not None
+            and e.compatibility_hash == decode.compatibility_hash
+        ]
+        if not prefills:
+            return Decision(decode.url, None, "decode_only", "no_compatible_prefill", cached)
+        prefills = [
+            e
+            for e in prefills
+            if e.available
+            and e.url not in request.exclude_prefill
+            and (e.url, decode.url) not in request.exclude_pairs
+        ]
+        if not prefills:
+            return Decision(decode.url, None, "decode_only", "prefill_unavailable", cached)
+        prefills = [e for e in prefills if not self.saturated(e)]
+        if not prefills:
+            return Decision(decode.url, None, "decode_only", "prefill_saturated", cached)
+        prefill, _ = self._best(prefills, request.block_hashes, prefixes)
+        return Decision(decode.url, prefill.url, "disaggregated", self.mode, cached)
+
+    def _best(
+        self,
+        engines: Sequence[EngineSnapshot],
+        hashes: Sequence[BlockHash],
+        prefixes: ApproxPrefixCache,
+    ) -> tuple[EngineSnapshot, int]:
+        """The highest-scoring engine and its matched block count (ties: round-robin)."""
+        n = len(engines)
+        best: tuple[float, int] | None = None
+        chosen = engines[0]
+        chosen_matched = 0
+        for i, engine in enumerate(engines):
+            matched = prefixes.match(engine.url, hashes) if self.prefix_aware and hashes else 0
+            score = 0.0
+            if self.prefix_aware and hashes:
+                score += matched / len(hashes)
+            if self.load_aware:
+                score -= LOAD_WEIGHT * self.load(engine)
+            key = (round(score, 9), -((i - self._turn) % n))
+            if best is None or key > best:
+                best, chosen, chosen_matched = key, engine, matched
+        return chosen, chosen_matched
+
+    def load(self, engine: EngineSnapshot) -> float:
+        """Load in [0, 2]: the queue against the saturation limit, the batch, and KV usage."""
+        load = engine.load
+        busy = max(load.waiting + load.running, float(engine.in_flight))
+        queue = load.waiting / self.saturation_waiting if self.saturation_waiting else 0.0
+        return min(1.0, queue) * 0.5 + busy / (busy + 8.0) * 0.5 + min(1.0, load.kv_usage)
