@@ -218,6 +218,8 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         decode_selector=selector("decode"),
         unified_selector=selector("unified"),
         compatibility_hash=compatibility_hash(spec),
+        # The router hashes prompts in the engines' blocks; another size would match no prefix.
+        block_size=spec.model.block_size,
         engine_port=ENGINE_PORT,
         host="0.0.0.0",
         port=ROUTER_PORT,

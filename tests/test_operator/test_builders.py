@@ -306,6 +306,7 @@ def test_router_args_are_its_config(sample: str) -> None:
     assert parsed.mode == spec.router.disaggregation.mode
     assert parsed.min_uncached_tokens == spec.router.disaggregation.min_uncached_tokens
     assert parsed.compatibility_hash == compatibility_hash(spec)
+    assert parsed.block_size == spec.model.block_size
     assert (parsed.namespace, parsed.engine_port, parsed.port) == ("ns", 8000, 8080)
     selectors = {
         "prefill": parsed.prefill_selector,
