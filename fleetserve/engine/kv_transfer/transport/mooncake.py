@@ -47,7 +47,6 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
-    TransferHandle,
     TransportStats,
 )
 from fleetserve.engine.kv_transfer.transport.handle import Admission, Task, Transfer, Watchdog
@@ -200,23 +199,6 @@ class MooncakeTransport(KVTransport):
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def pull(
-        self, peer: EndpointDescriptor, copies: Sequence[BlockCopy], *, timeout: float | None = None
-    ) -> TransferHandle:
-        return self._start("pull", peer, copies, "", timeout)
-
-    def push(
-        self,
-        peer: EndpointDescriptor,
-        copies: Sequence[BlockCopy],
-        *,
-        tag: str,
-        timeout: float | None = None,
-    ) -> TransferHandle:
-        if not 1 <= len(tag.encode()) <= 255:
-            raise ValueError(f"push tag must be 1-255 UTF-8 bytes, got {tag!r}")
-        return self._start("push", peer, copies, tag, timeout)
-
     def _start(
         self,
         direction: Direction,
@@ -225,10 +207,6 @@ class MooncakeTransport(KVTransport):
         tag: str,
         timeout: float | None,
     ) -> Transfer:
-        if self.closed:
-            raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
-        if peer.transport != self.kind:
-            raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'mooncake'")
         session, cell_addr, addrs = _peer_fields(peer)
         runs = _plan(direction, self._regions, peer, copies)
         deadline = time.monotonic() + (timeout if timeout is not None else self._transfer_timeout)

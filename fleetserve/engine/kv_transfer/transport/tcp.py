@@ -36,7 +36,6 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
-    TransferHandle,
     TransportStats,
 )
 from fleetserve.engine.kv_transfer.transport.handle import (
@@ -211,41 +210,19 @@ class TcpTransport(KVTransport):
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def pull(
-        self, peer: EndpointDescriptor, copies: Sequence[BlockCopy], *, timeout: float | None = None
-    ) -> TransferHandle:
-        return self._start("pull", peer, copies, b"", timeout)
-
-    def push(
-        self,
-        peer: EndpointDescriptor,
-        copies: Sequence[BlockCopy],
-        *,
-        tag: str,
-        timeout: float | None = None,
-    ) -> TransferHandle:
-        encoded = tag.encode()
-        if not 1 <= len(encoded) <= 255:
-            raise ValueError(f"push tag must be 1-255 UTF-8 bytes, got {tag!r}")
-        return self._start("push", peer, copies, encoded, timeout)
-
     def _start(
         self,
         direction: Direction,
         peer: EndpointDescriptor,
         copies: Sequence[BlockCopy],
-        tag: bytes,
+        tag: str,
         timeout: float | None,
     ) -> Transfer:
-        if self.closed:
-            raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
-        if peer.transport != self.kind:
-            raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'tcp'")
         runs = plan_transfer(direction, self._regions, peer, copies)
         namespace = _namespace_bytes(peer)
         link = self._link(peer)  # counts this transfer in link.in_flight
         try:
-            transfer = self._build(direction, link, peer, runs, namespace, tag, timeout)
+            transfer = self._build(direction, link, peer, runs, namespace, tag.encode(), timeout)
         except BaseException:
             with self._lock:
                 link.in_flight -= 1
