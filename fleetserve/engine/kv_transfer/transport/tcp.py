@@ -40,6 +40,7 @@ from fleetserve.engine.kv_transfer.transport.base import (
 )
 from fleetserve.engine.kv_transfer.transport.handle import (
     Admission,
+    Tally,
     Task,
     Transfer,
     Watchdog,
@@ -155,9 +156,7 @@ class TcpTransport(KVTransport):
         self._region_list: list[Region] = []
         self._links: dict[tuple[str, str, int], PeerLink] = {}
         self._ids = itertools.count(1)
-        self._done = 0
-        self._failed = 0
-        self._bytes_moved = 0
+        self._tally = Tally()
         self._admission = Admission(self.config.max_inflight_tasks, self.config.max_inflight_bytes)
         self._watchdog = Watchdog(f"kv-tcp-{engine_id}")
         self._server = TcpServer(
@@ -373,11 +372,7 @@ class TcpTransport(KVTransport):
         status = transfer.poll()
         with self._lock:
             link.in_flight -= 1
-            if status.failure is None:
-                self._done += 1
-            else:
-                self._failed += 1
-            self._bytes_moved += status.bytes_done
+            self._tally.record(status)
 
     # -- the receiving side ----------------------------------------------------------------------
 
@@ -412,18 +407,9 @@ class TcpTransport(KVTransport):
         return True
 
     def stats(self) -> TransportStats:
-        admission = self._admission
         with self._lock:
-            return TransportStats(
-                inflight_tasks=admission.tasks,
-                inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks,
-                peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done,
-                transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved,
-                served_requests=self._server.served,
-                rejected_requests=self._server.rejected,
+            return self._tally.stats(
+                self._admission, served=self._server.served, rejected=self._server.rejected
             )
 
     def close(self) -> None:
