@@ -30,7 +30,13 @@ from fleetserve.openai.protocol import (
 from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
 from fleetserve.server.serving import OpenAIServing
-from fleetserve.server.serving_types import ChoiceState, PreparedRequest
+from fleetserve.server.serving_types import (
+    ChoiceState,
+    PreparedRequest,
+    choice_end,
+    envelope,
+    has_output,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,21 +75,14 @@ class ChatFormat:
         self.model_name = model_name
 
     def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
-        want_ids = prepared.return_token_ids
         return ChatCompletionResponse(
-            id=prepared.request_id,
-            model=self.model_name,
-            usage=usage,
-            kv_transfer_params=prepared.kv_transfer_params or None,
+            **envelope(prepared, self.model_name, usage, final=True),
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
                     message=ChatMessage(role="assistant", content=choice.text),
                     logprobs=self._logprobs(prepared, choice.token_ids, choice.logprobs),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    prompt_token_ids=prepared.prompt_of(i).token_ids if want_ids else None,
-                    token_ids=choice.token_ids if want_ids else None,
+                    **choice_end(prepared, i, choice, with_prompt_ids=True),
                 )
                 for i, choice in enumerate(choices)
             ],
@@ -113,29 +112,22 @@ class ChatFormat:
         delta: CompletionOutput,
         usage: UsageInfo | None,
     ) -> str | None:
-        if not (delta.text or delta.finish_reason or delta.token_ids):
+        if not has_output(delta):
             return None
         choice = ChatCompletionStreamChoice(
             index=choice_index,
             delta=DeltaMessage(content=delta.text),
             logprobs=self._logprobs(prepared, delta.token_ids, delta.logprobs or []),
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-            token_ids=delta.token_ids if prepared.return_token_ids else None,
+            **choice_end(prepared, choice_index, delta, with_prompt_ids=False),
         )
         return ChatCompletionStreamResponse(
-            id=prepared.request_id,
-            model=self.model_name,
+            **envelope(prepared, self.model_name, usage, final=bool(delta.finish_reason)),
             choices=[choice],
-            usage=usage,
-            kv_transfer_params=(prepared.kv_transfer_params or None)
-            if delta.finish_reason
-            else None,
         ).model_dump_json()
 
     def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
         return ChatCompletionStreamResponse(
-            id=prepared.request_id, model=self.model_name, choices=[], usage=usage
+            **envelope(prepared, self.model_name, usage, final=False), choices=[]
         ).model_dump_json()
 
     def _logprobs(

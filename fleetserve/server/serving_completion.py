@@ -26,7 +26,13 @@ from fleetserve.openai.protocol import (
 from fleetserve.server.logprobs import LogprobRow, completion_logprobs
 from fleetserve.server.sampling import completion_sampling_params
 from fleetserve.server.serving import OpenAIServing
-from fleetserve.server.serving_types import ChoiceState, PreparedRequest
+from fleetserve.server.serving_types import (
+    ChoiceState,
+    PreparedRequest,
+    choice_end,
+    envelope,
+    has_output,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -77,12 +83,8 @@ class CompletionFormat:
         self._started: set[int] = set()
 
     def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
-        want_ids = prepared.return_token_ids
         return CompletionResponse(
-            id=prepared.request_id,
-            model=self.model_name,
-            usage=usage,
-            kv_transfer_params=prepared.kv_transfer_params or None,
+            **envelope(prepared, self.model_name, usage, final=True),
             choices=[
                 CompletionResponseChoice(
                     index=i,
@@ -90,10 +92,7 @@ class CompletionFormat:
                     logprobs=self._logprobs(
                         prepared, i, choice.token_ids, choice.logprobs, with_prompt=True
                     ),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    prompt_token_ids=prepared.prompt_of(i).token_ids if want_ids else None,
-                    token_ids=choice.token_ids if want_ids else None,
+                    **choice_end(prepared, i, choice, with_prompt_ids=True),
                 )
                 for i, choice in enumerate(choices)
             ],
@@ -109,9 +108,8 @@ class CompletionFormat:
         delta: CompletionOutput,
         usage: UsageInfo | None,
     ) -> str | None:
-        if not (delta.text or delta.finish_reason or delta.token_ids):
+        if not has_output(delta):
             return None
-        want_ids = prepared.return_token_ids
         first = choice_index not in self._started
         self._started.add(choice_index)
         choice = CompletionResponseChoice(
@@ -120,27 +118,17 @@ class CompletionFormat:
             logprobs=self._logprobs(
                 prepared, choice_index, delta.token_ids, delta.logprobs or [], with_prompt=first
             ),
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
             # The prompt's ids (and its echo) go with each choice's first chunk only.
-            prompt_token_ids=(
-                prepared.prompt_of(choice_index).token_ids if want_ids and first else None
-            ),
-            token_ids=delta.token_ids if want_ids else None,
+            **choice_end(prepared, choice_index, delta, with_prompt_ids=first),
         )
         return CompletionStreamResponse(
-            id=prepared.request_id,
-            model=self.model_name,
+            **envelope(prepared, self.model_name, usage, final=bool(delta.finish_reason)),
             choices=[choice],
-            usage=usage,
-            kv_transfer_params=(prepared.kv_transfer_params or None)
-            if delta.finish_reason
-            else None,
         ).model_dump_json()
 
     def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
         return CompletionStreamResponse(
-            id=prepared.request_id, model=self.model_name, choices=[], usage=usage
+            **envelope(prepared, self.model_name, usage, final=False), choices=[]
         ).model_dump_json()
 
     @staticmethod

@@ -57,11 +57,7 @@ async def aggregate_response(
     cached: dict[int, int] = {}
     try:
         async for prompt_index, output in outputs:
-            cached[prompt_index] = output.num_cached_tokens
-            if output.prompt_logprobs is not None:
-                prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
-            if output.kv_transfer_params is not None:
-                prepared.kv_transfer_params.update(output.kv_transfer_params)
+            _note_output(prepared, cached, prompt_index, output)
             for delta in output.outputs:
                 choice = choices[prepared.choice_index(prompt_index, delta.index)]
                 choice.text += delta.text
@@ -101,11 +97,7 @@ async def stream_response(
         for event in response_format.first_chunks(prepared):
             await response.write(_sse(event))
         async for prompt_index, output in outputs:
-            cached[prompt_index] = output.num_cached_tokens
-            if output.prompt_logprobs is not None:
-                prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
-            if output.kv_transfer_params is not None:
-                prepared.kv_transfer_params.update(output.kv_transfer_params)
+            _note_output(prepared, cached, prompt_index, output)
             for delta in output.outputs:
                 choice_index = prepared.choice_index(prompt_index, delta.index)
                 # NOTE: with n > 1 a finished choice keeps appearing (empty) while its
@@ -174,6 +166,18 @@ def request_error(
         return RequestError(408, str(exc), code="slow_reader")
     logger.error("unexpected error serving %s", log_name, exc_info=exc)
     return RequestError(500, "internal server error")
+
+
+def _note_output(
+    prepared: PreparedRequest, cached: dict[int, int], prompt_index: int, output: RequestOutput
+) -> None:
+    """Keep what an output says about its whole prompt: the cached token count (into
+    `cached`), its prompt logprobs and a P/D leg's kv_transfer_params (into `prepared`)."""
+    cached[prompt_index] = output.num_cached_tokens
+    if output.prompt_logprobs is not None:
+        prepared.prompt_logprobs[prompt_index] = output.prompt_logprobs
+    if output.kv_transfer_params is not None:
+        prepared.kv_transfer_params.update(output.kv_transfer_params)
 
 
 def _sse(payload: str) -> bytes:

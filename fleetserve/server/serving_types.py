@@ -2,7 +2,8 @@
 
 `OpenAIServing.prepare` (serving.py) builds a `PreparedRequest` (its prompts as `PromptInput`s);
 a non-streaming response accumulates a `ChoiceState` per choice; an endpoint shapes its
-responses through a `ResponseFormat` (`serving_completion.py`, `serving_chat.py`).
+responses through a `ResponseFormat` (`serving_completion.py`, `serving_chat.py`), whose
+bodies and chunks share `envelope`, `choice_end` and `has_output`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ __all__ = [
     "PreparedRequest",
     "PromptInput",
     "ResponseFormat",
+    "choice_end",
+    "envelope",
+    "has_output",
 ]
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -112,3 +116,41 @@ class ResponseFormat(Protocol):
     def usage_chunk(self, prepared: PreparedRequest, usage: UsageInfo) -> str:
         """The final usage-only chunk (`stream_options.include_usage`)."""
         ...
+
+
+def envelope(
+    prepared: PreparedRequest, model_name: str, usage: UsageInfo | None, *, final: bool
+) -> dict[str, Any]:
+    """The fields a response body or stream chunk of either endpoint opens with. A P/D leg's
+    `kv_transfer_params` go only with the `final` ones: the full body, a choice's last chunk."""
+    return {
+        "id": prepared.request_id,
+        "model": model_name,
+        "usage": usage,
+        "kv_transfer_params": (prepared.kv_transfer_params or None) if final else None,
+    }
+
+
+def choice_end(
+    prepared: PreparedRequest,
+    choice_index: int,
+    output: ChoiceState | CompletionOutput,
+    *,
+    with_prompt_ids: bool,
+) -> dict[str, Any]:
+    """The fields every choice ends with (`_ChoiceEnd`); the token id lists only with
+    `return_token_ids`, the prompt's only `with_prompt_ids`."""
+    want_ids = prepared.return_token_ids
+    return {
+        "finish_reason": output.finish_reason,
+        "stop_reason": output.stop_reason,
+        "prompt_token_ids": (
+            prepared.prompt_of(choice_index).token_ids if want_ids and with_prompt_ids else None
+        ),
+        "token_ids": output.token_ids if want_ids else None,
+    }
+
+
+def has_output(delta: CompletionOutput) -> bool:
+    """Whether a stream delta is worth a chunk: text, token ids or the choice's finish."""
+    return bool(delta.text or delta.finish_reason or delta.token_ids)

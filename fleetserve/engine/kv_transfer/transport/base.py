@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from fleetserve.engine.kv_transfer.transport.plan import Direction
     from fleetserve.engine.kv_transfer.transport.shm import SharedKVArena
 
 __all__ = [
@@ -345,7 +346,6 @@ class KVTransport(ABC):
     def descriptor(self) -> EndpointDescriptor:
         """This endpoint, for the peers."""
 
-    @abstractmethod
     def pull(
         self,
         peer: EndpointDescriptor,
@@ -358,8 +358,9 @@ class KVTransport(ABC):
         Raises ValueError at once for a request that cannot be valid against the descriptor
         (unknown region, block sizes that differ, out-of-range or duplicate destination ids);
         everything else is reported through the handle."""
+        self._check_peer(peer)
+        return self._start("pull", peer, copies, "", timeout)
 
-    @abstractmethod
     def push(
         self,
         peer: EndpointDescriptor,
@@ -374,6 +375,30 @@ class KVTransport(ABC):
         that lands is announced there as a `PushNotification(tag, layer)`, and the peer can
         `revoke_pushes(tag)`. The handle's layer is DONE once the peer holds the bytes and has
         queued the notification."""
+        if not 1 <= len(tag.encode()) <= 255:
+            raise ValueError(f"push tag must be 1-255 UTF-8 bytes, got {tag!r}")
+        self._check_peer(peer)
+        return self._start("push", peer, copies, tag, timeout)
+
+    def _check_peer(self, peer: EndpointDescriptor) -> None:
+        """What every transfer checks first: this transport is open and speaks the peer's kind."""
+        if self.closed:
+            raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
+        if peer.transport != self.kind:
+            raise ValueError(
+                f"peer {peer.engine_id!r} speaks {peer.transport!r}, not {self.kind!r}"
+            )
+
+    @abstractmethod
+    def _start(
+        self,
+        direction: Direction,
+        peer: EndpointDescriptor,
+        copies: Sequence[BlockCopy],
+        tag: str,
+        timeout: float | None,
+    ) -> TransferHandle:
+        """Plan and submit a transfer `pull`/`push` has validated (`tag` is "" for a pull)."""
 
     @abstractmethod
     def drain_notifications(self) -> list[PushNotification]:

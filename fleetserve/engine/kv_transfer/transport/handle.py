@@ -23,9 +23,10 @@ from fleetserve.engine.kv_transfer.transport.base import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    TransportStats,
 )
 
-__all__ = ["Admission", "Runner", "Task", "TaskState", "Transfer", "Watchdog"]
+__all__ = ["Admission", "Runner", "Tally", "Task", "TaskState", "Transfer", "Watchdog"]
 
 
 class TaskState(enum.Enum):
@@ -142,6 +143,39 @@ class Admission:
             self.peak_bytes = max(self.peak_bytes, self.bytes)
             ready.append(task)
         return ready
+
+
+class Tally:
+    """What a transport's finished transfers add up to, for its `stats()` (the transport's own
+    lock guards it)."""
+
+    __slots__ = ("bytes_moved", "done", "failed")
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.failed = 0
+        self.bytes_moved = 0
+
+    def record(self, status: TransferStatus) -> None:
+        """Count a finished transfer."""
+        if status.failure is None:
+            self.done += 1
+        else:
+            self.failed += 1
+        self.bytes_moved += status.bytes_done
+
+    def stats(self, admission: Admission, *, served: int, rejected: int) -> TransportStats:
+        return TransportStats(
+            inflight_tasks=admission.tasks,
+            inflight_bytes=admission.bytes,
+            peak_inflight_tasks=admission.peak_tasks,
+            peak_inflight_bytes=admission.peak_bytes,
+            transfers_done=self.done,
+            transfers_failed=self.failed,
+            bytes_moved=self.bytes_moved,
+            served_requests=served,
+            rejected_requests=rejected,
+        )
 
 
 class Transfer(TransferHandle):

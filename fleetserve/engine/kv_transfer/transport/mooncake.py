@@ -47,10 +47,15 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
-    TransferHandle,
     TransportStats,
 )
-from fleetserve.engine.kv_transfer.transport.handle import Admission, Task, Transfer, Watchdog
+from fleetserve.engine.kv_transfer.transport.handle import (
+    Admission,
+    Tally,
+    Task,
+    Transfer,
+    Watchdog,
+)
 from fleetserve.engine.kv_transfer.transport.plan import Direction, Region, Run, make_region
 from fleetserve.engine.kv_transfer.transport.plan import plan_transfer as _plan
 from fleetserve.engine.kv_transfer.transport.shm import host_identity
@@ -136,7 +141,7 @@ class MooncakeTransport(KVTransport):
         self._spans: list[tuple[int, int]] = []
         self._revoked: set[str] = set()
         self._in_flight: dict[str, int] = {}
-        self._done = self._failed = self._bytes_moved = 0
+        self._tally = Tally()
         self._ids = itertools.count(1)
         self._admission = Admission(max_inflight_tasks, max_inflight_bytes)
         self._watchdog = Watchdog(f"kv-mooncake-{engine_id}")
@@ -200,23 +205,6 @@ class MooncakeTransport(KVTransport):
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def pull(
-        self, peer: EndpointDescriptor, copies: Sequence[BlockCopy], *, timeout: float | None = None
-    ) -> TransferHandle:
-        return self._start("pull", peer, copies, "", timeout)
-
-    def push(
-        self,
-        peer: EndpointDescriptor,
-        copies: Sequence[BlockCopy],
-        *,
-        tag: str,
-        timeout: float | None = None,
-    ) -> TransferHandle:
-        if not 1 <= len(tag.encode()) <= 255:
-            raise ValueError(f"push tag must be 1-255 UTF-8 bytes, got {tag!r}")
-        return self._start("push", peer, copies, tag, timeout)
-
     def _start(
         self,
         direction: Direction,
@@ -225,10 +213,6 @@ class MooncakeTransport(KVTransport):
         tag: str,
         timeout: float | None,
     ) -> Transfer:
-        if self.closed:
-            raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
-        if peer.transport != self.kind:
-            raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'mooncake'")
         session, cell_addr, addrs = _peer_fields(peer)
         runs = _plan(direction, self._regions, peer, copies)
         deadline = time.monotonic() + (timeout if timeout is not None else self._transfer_timeout)
@@ -367,11 +351,7 @@ class MooncakeTransport(KVTransport):
             self._in_flight[transfer.peer_engine_id] -= 1
             if not self._in_flight[transfer.peer_engine_id]:
                 del self._in_flight[transfer.peer_engine_id]
-            if status.failure is None:
-                self._done += 1
-            else:
-                self._failed += 1
-            self._bytes_moved += status.bytes_done
+            self._tally.record(status)
 
     # -- the receiving side ----------------------------------------------------------------------
 
@@ -404,19 +384,8 @@ class MooncakeTransport(KVTransport):
         return self.in_flight(peer_engine_id) == 0
 
     def stats(self) -> TransportStats:
-        admission = self._admission
         with self._lock:
-            return TransportStats(
-                inflight_tasks=admission.tasks,
-                inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks,
-                peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done,
-                transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved,
-                served_requests=0,
-                rejected_requests=0,
-            )
+            return self._tally.stats(self._admission, served=0, rejected=0)
 
     def close(self) -> None:
         with self._lock:

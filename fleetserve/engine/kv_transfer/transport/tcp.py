@@ -36,11 +36,11 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
-    TransferHandle,
     TransportStats,
 )
 from fleetserve.engine.kv_transfer.transport.handle import (
     Admission,
+    Tally,
     Task,
     Transfer,
     Watchdog,
@@ -156,9 +156,7 @@ class TcpTransport(KVTransport):
         self._region_list: list[Region] = []
         self._links: dict[tuple[str, str, int], PeerLink] = {}
         self._ids = itertools.count(1)
-        self._done = 0
-        self._failed = 0
-        self._bytes_moved = 0
+        self._tally = Tally()
         self._admission = Admission(self.config.max_inflight_tasks, self.config.max_inflight_bytes)
         self._watchdog = Watchdog(f"kv-tcp-{engine_id}")
         self._server = TcpServer(
@@ -211,41 +209,19 @@ class TcpTransport(KVTransport):
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def pull(
-        self, peer: EndpointDescriptor, copies: Sequence[BlockCopy], *, timeout: float | None = None
-    ) -> TransferHandle:
-        return self._start("pull", peer, copies, b"", timeout)
-
-    def push(
-        self,
-        peer: EndpointDescriptor,
-        copies: Sequence[BlockCopy],
-        *,
-        tag: str,
-        timeout: float | None = None,
-    ) -> TransferHandle:
-        encoded = tag.encode()
-        if not 1 <= len(encoded) <= 255:
-            raise ValueError(f"push tag must be 1-255 UTF-8 bytes, got {tag!r}")
-        return self._start("push", peer, copies, encoded, timeout)
-
     def _start(
         self,
         direction: Direction,
         peer: EndpointDescriptor,
         copies: Sequence[BlockCopy],
-        tag: bytes,
+        tag: str,
         timeout: float | None,
     ) -> Transfer:
-        if self.closed:
-            raise RuntimeError(f"kv transport of {self.engine_id!r} is closed")
-        if peer.transport != self.kind:
-            raise ValueError(f"peer {peer.engine_id!r} speaks {peer.transport!r}, not 'tcp'")
         runs = plan_transfer(direction, self._regions, peer, copies)
         namespace = _namespace_bytes(peer)
         link = self._link(peer)  # counts this transfer in link.in_flight
         try:
-            transfer = self._build(direction, link, peer, runs, namespace, tag, timeout)
+            transfer = self._build(direction, link, peer, runs, namespace, tag.encode(), timeout)
         except BaseException:
             with self._lock:
                 link.in_flight -= 1
@@ -396,11 +372,7 @@ class TcpTransport(KVTransport):
         status = transfer.poll()
         with self._lock:
             link.in_flight -= 1
-            if status.failure is None:
-                self._done += 1
-            else:
-                self._failed += 1
-            self._bytes_moved += status.bytes_done
+            self._tally.record(status)
 
     # -- the receiving side ----------------------------------------------------------------------
 
@@ -435,18 +407,9 @@ class TcpTransport(KVTransport):
         return True
 
     def stats(self) -> TransportStats:
-        admission = self._admission
         with self._lock:
-            return TransportStats(
-                inflight_tasks=admission.tasks,
-                inflight_bytes=admission.bytes,
-                peak_inflight_tasks=admission.peak_tasks,
-                peak_inflight_bytes=admission.peak_bytes,
-                transfers_done=self._done,
-                transfers_failed=self._failed,
-                bytes_moved=self._bytes_moved,
-                served_requests=self._server.served,
-                rejected_requests=self._server.rejected,
+            return self._tally.stats(
+                self._admission, served=self._server.served, rejected=self._server.rejected
             )
 
     def close(self) -> None:

@@ -76,6 +76,12 @@ class AttentionBackend(ABC):
             return f"head_size {head_size} is not one of {cls.supported_head_sizes}"
         if cls.supported_block_sizes is not None and block_size not in cls.supported_block_sizes:
             return f"block_size {block_size} is not one of {cls.supported_block_sizes}"
+        return cls.validate_device(device)
+
+    @classmethod
+    def validate_device(cls, device: torch.device) -> str | None:
+        """None when the backend can run on the model's `device`, else why not (asked by
+        `validate_configuration` once everything else fits)."""
         return None
 
     @classmethod

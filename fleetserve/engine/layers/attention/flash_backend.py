@@ -41,13 +41,10 @@ class FlashAttentionBackend(AttentionBackend):
         return None
 
     @classmethod
-    def validate_configuration(
-        cls, head_size: int, dtype: torch.dtype, block_size: int, device: torch.device
-    ) -> str | None:
-        reason = super().validate_configuration(head_size, dtype, block_size, device)
-        if reason is None and device.type != "cuda":
-            reason = f"flash_attn needs device 'cuda', got {device.type!r}"
-        return reason
+    def validate_device(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"flash_attn needs device 'cuda', got {device.type!r}"
+        return None
 
     def attend(
         self,

@@ -52,12 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
     @classmethod
-    def validate_configuration(
-        cls, head_size: int, dtype: torch.dtype, block_size: int, device: torch.device
-    ) -> str | None:
-        reason = super().validate_configuration(head_size, dtype, block_size, device)
-        if reason is not None:
-            return reason
+    def validate_device(cls, device: torch.device) -> str | None:
         if device.type == "cpu" and not is_interpreter():
             return "triton runs on device 'cpu' only in the interpreter (set TRITON_INTERPRET=1)"
         if device.type not in ("cpu", "cuda"):
