@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.bench.kv_transfer import main
+from fleetserve.bench.kv_transfer import SOCKET_ROW, main
 from fleetserve.cli import build_parser
 
 
@@ -20,7 +20,8 @@ def test_bench_prints_every_transport_memcpy_and_round_trips(
     argv += ["--json", str(out)]
     assert main(argv) == 0
     table = capsys.readouterr().out
-    for name in ("tcp", "tcp same-host (shm)", "mooncake (tcp)", "memcpy (1 thread)"):
+    names = ("tcp", "tcp same-host (shm)", "mooncake (tcp)", "memcpy (1 thread)", SOCKET_ROW)
+    for name in names:
         assert f"\n{name} " in table
     assert "1 MiB (32 blocks)" in table and "2 MiB (64 blocks)" in table
     assert "mooncake raw batch_transfer_sync_read" in table
@@ -28,7 +29,11 @@ def test_bench_prints_every_transport_memcpy_and_round_trips(
     assert result["layout"]["block_bytes"] == 32 * 1024
     rows = {row["name"]: row["gb_s"] for row in result["rows"]}
     assert all(value > 0 for gb_s in rows.values() for value in gb_s.values())
-    assert set(result["ratios"]["1 MiB"]) == {"tcp_over_mooncake", "same_host_over_memcpy"}
+    assert set(result["ratios"]["1 MiB"]) == {
+        "tcp_over_mooncake",
+        "tcp_over_plain_socket",
+        "same_host_over_memcpy",
+    }
     assert set(result["rtt_us"]) == {
         "tcp",
         "tcp same-host (shm)",
