@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.operator.cli import register as register_operator
 
     register_operator(sub)
+    from fleetserve.fleet.up import register as register_up
+
+    register_up(sub)
     from fleetserve.router.cli import register as register_router
 
     register_router(sub)
@@ -129,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["up"]:
+        # NOTE: the full parser imports the engine's flag definitions, and with them torch; the
+        # process that supervises the local fleet's engines must not load it.
+        from fleetserve.fleet.up import main as up_main
+
+        return up_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
