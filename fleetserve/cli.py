@@ -50,6 +50,12 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_router(args: argparse.Namespace) -> int:
+    from fleetserve.bench.router import run_from_args
+
+    return run_from_args(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from fleetserve.bench.serve import run_from_args
 
@@ -102,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_transfer_arguments(kv_transfer)
     kv_transfer.set_defaults(func=_cmd_bench_kv_transfer)
 
+    from fleetserve.bench.router import add_arguments as add_router_bench_arguments
+
+    router_bench = bench_sub.add_parser(
+        "router", help="a router's added latency and max requests/s vs vllm-router"
+    )
+    add_router_bench_arguments(router_bench)
+    router_bench.set_defaults(func=_cmd_bench_router)
     from fleetserve.bench.pd_handover import add_arguments as add_handover_arguments
 
     handover = bench_sub.add_parser(
