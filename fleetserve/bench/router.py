@@ -10,6 +10,11 @@ and through `vllm-router` (PyPI, Rust; `--vllm-router PATH`, in a side venv). Pe
   minus the direct one;
 - throughput: a closed loop of `--concurrency` clients for `--duration` seconds: requests/s.
 
+`--mode pd` puts a prefill and a decode backend behind the routers instead (fleetserve
+`--prefill --decode --disaggregation always`, vllm-router `--vllm-pd-disaggregation`); the direct
+column is then the client running both legs itself (prefill with `do_remote_decode`, decode with
+the `kv_transfer_params` it answered), the least a P/D router must do.
+
 `--config default` runs each router with its defaults (fleetserve: prefix- and load-aware;
 vllm-router: `cache_aware`, which asks the backend to tokenize each prompt); `--config plain`
 turns both routers' prefix awareness off (fleetserve `--no-prefix-aware --no-load-aware`,
@@ -50,12 +55,16 @@ _PROMPT = "Route this request to an engine, please; it is short and should come 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One column: `argv` starts it (None: the backend itself), then it answers at `url`."""
+    """One column: `argv` starts it (None: the backend itself), then it answers at `url`.
+
+    `prefill_url` (direct P/D only): the client runs the prefill leg there itself and sends the
+    `kv_transfer_params` it answers to `url`, the least any P/D router must do.
+    """
 
     name: str
     url: str
     argv: list[str] | None = None
-    note: str = ""
+    prefill_url: str | None = None
 
 
 @dataclass
@@ -70,7 +79,7 @@ class Measurement:
     requests_per_s: float = 0.0
     failed: int = 0
     backend_calls: dict[str, Any] = field(default_factory=dict)
-    """What the backend saw during this column (served kinds, unknown paths)."""
+    """Backend name → what it saw during this column (served kinds, unknown paths)."""
 
 
 def _free_port() -> int:
@@ -185,18 +194,26 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 # -- load -----------------------------------------------------------------------------------
 
 
-async def _one(session: aiohttp.ClientSession, url: str, stream: bool) -> float | None:
+async def _one(session: aiohttp.ClientSession, target: Target, stream: bool) -> float | None:
     """Seconds for one completion (to the last byte), or None when it failed."""
-    body = {"model": _MODEL, "prompt": _PROMPT, "max_tokens": 16, "temperature": 0.0}
+    body: dict[str, Any] = {"model": _MODEL, "prompt": _PROMPT, "max_tokens": 16,
+                            "temperature": 0.0}  # fmt: skip
     if stream:
         body["stream"] = True
     start = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        if target.prefill_url is not None:
+            leg = {**body, "stream": False, "max_tokens": 1,
+                   "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            async with session.post(f"{target.prefill_url}/v1/completions", json=leg) as first:
+                if first.status != 200:
+                    return None
+                body["kv_transfer_params"] = (await first.json())["kv_transfer_params"]
+        async with session.post(f"{target.url}/v1/completions", json=body) as response:
             data = await response.read()
             if response.status != 200:
                 return None
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, KeyError, json.JSONDecodeError):
         return None
     elapsed = time.perf_counter() - start
     if stream and not data.rstrip().endswith(b"data: [DONE]"):
@@ -204,13 +221,13 @@ async def _one(session: aiohttp.ClientSession, url: str, stream: bool) -> float 
     return elapsed
 
 
-async def _sequential(url: str, n: int, stream: bool) -> tuple[list[float], int]:
-    connector = aiohttp.TCPConnector(limit=1)
+async def _sequential(target: Target, n: int, stream: bool) -> tuple[list[float], int]:
+    connector = aiohttp.TCPConnector(limit=2)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         times, failed = [], 0
         for _ in range(n):
-            t = await _one(session, url, stream)
+            t = await _one(session, target, stream)
             if t is None:
                 failed += 1
             else:
@@ -218,9 +235,9 @@ async def _sequential(url: str, n: int, stream: bool) -> tuple[list[float], int]
         return times, failed
 
 
-async def _closed_loop(url: str, clients: int, duration_s: float) -> tuple[int, int, float]:
+async def _closed_loop(target: Target, clients: int, duration_s: float) -> tuple[int, int, float]:
     """(completed, failed, seconds) of `clients` loops sending back to back for `duration_s`."""
-    connector = aiohttp.TCPConnector(limit=clients)
+    connector = aiohttp.TCPConnector(limit=2 * clients)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         done = failed = 0
@@ -230,7 +247,7 @@ async def _closed_loop(url: str, clients: int, duration_s: float) -> tuple[int, 
         async def loop() -> None:
             nonlocal done, failed
             while time.perf_counter() < stop_at:
-                if await _one(session, url, stream=False) is None:
+                if await _one(session, target, stream=False) is None:
                     failed += 1
                 else:
                     done += 1
@@ -243,12 +260,12 @@ def measure(target: Target, args: argparse.Namespace) -> Measurement:
     m = Measurement(target.name)
 
     async def run() -> None:
-        await _closed_loop(target.url, 8, args.warmup)
-        times, failed = await _sequential(target.url, args.latency_requests, stream=False)
+        await _closed_loop(target, 8, args.warmup)
+        times, failed = await _sequential(target, args.latency_requests, stream=False)
         m.latency_ms, m.failed = _stats(times), failed
-        times, failed = await _sequential(target.url, args.latency_requests, stream=True)
+        times, failed = await _sequential(target, args.latency_requests, stream=True)
         m.stream_ms, m.failed = _stats(times), m.failed + failed
-        done, failed, seconds = await _closed_loop(target.url, args.concurrency, args.duration)
+        done, failed, seconds = await _closed_loop(target, args.concurrency, args.duration)
         m.requests_per_s, m.failed = done / seconds, m.failed + failed
 
     asyncio.run(run())
@@ -292,9 +309,10 @@ def format_table(results: list[Measurement], reference: str = "vllm-router") -> 
     for r in results:
         if r.error:
             lines.append(f"{r.name}: did not run: {r.error}")
-        if r.backend_calls.get("unknown"):
-            lines.append(f"{r.name}: backend paths it called that an engine may not have: "
-                         f"{r.backend_calls['unknown']}")  # fmt: skip
+        for backend, calls in r.backend_calls.items():
+            if calls.get("unknown"):
+                lines.append(f"{r.name}: {backend} paths it called that an engine may not have:"
+                             f" {calls['unknown']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -310,6 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-router", default=None, metavar="PATH",
                         help="the vllm-router executable (default: /work/peers/vllm-router-venv/bin/"
                              "vllm-router or PATH's; 'none' leaves its column out)")  # fmt: skip
+    parser.add_argument("--mode", choices=["colocated", "pd"], default="colocated",
+                        help="one engine behind the router, or a prefill and a decode engine"
+                             " (the router runs both legs; direct: the client does)")  # fmt: skip
     parser.add_argument("--config", choices=["default", "plain"], default="default",
                         help="routers with their defaults, or both without prefix awareness")  # fmt: skip
     parser.add_argument("--latency-requests", type=int, default=2000)
@@ -320,12 +341,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
-def _targets(args: argparse.Namespace, backend: str) -> list[Target]:
-    targets = [Target("direct", backend)]
+def _targets(args: argparse.Namespace, backends: dict[str, str]) -> list[Target]:
+    pd = args.mode == "pd"
+    if pd:
+        targets = [Target("direct", backends["decode"], prefill_url=backends["prefill"])]
+        fleet_engines = ["--prefill", backends["prefill"], "--decode", backends["decode"],
+                         "--disaggregation", "always"]  # fmt: skip
+        peer_engines = ["--vllm-pd-disaggregation", "--prefill", backends["prefill"],
+                        "--decode", backends["decode"]]  # fmt: skip
+    else:
+        targets = [Target("direct", backends["engine"])]
+        fleet_engines = ["--engine", backends["engine"], "--disaggregation", "never"]
+        peer_engines = ["--worker-urls", backends["engine"]]
     port = _free_port()
     fleet = [sys.executable, "-m", "fleetserve", "--log-level", "WARNING", "router",
-             "--discovery", "static", "--engine", backend, "--disaggregation", "never",
-             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+             "--discovery", "static", *fleet_engines, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     if args.config == "plain":
         fleet += ["--no-prefix-aware", "--no-load-aware"]
     targets.append(Target("fleetserve", f"http://127.0.0.1:{port}", fleet))
@@ -339,8 +369,8 @@ def _targets(args: argparse.Namespace, backend: str) -> list[Target]:
             )
         port = _free_port()
         policy = "cache_aware" if args.config == "default" else "round_robin"
-        peer = [vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                backend, "--policy", policy, "--log-level", "warning"]  # fmt: skip
+        peer = [vllm_router, "--host", "127.0.0.1", "--port", str(port), *peer_engines,
+                "--policy", policy, "--log-level", "warning"]  # fmt: skip
         targets.append(Target("vllm-router", f"http://127.0.0.1:{port}", peer))
     return targets
 
@@ -348,34 +378,41 @@ def _targets(args: argparse.Namespace, backend: str) -> list[Target]:
 def run_from_args(args: argparse.Namespace) -> int:
     if args.latency_requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise ValueError("--latency-requests and --concurrency must be >= 1, --duration > 0")
+    names = ["prefill", "decode"] if args.mode == "pd" else ["engine"]
+    urls = {name: f"http://127.0.0.1:{_free_port()}" for name in names}
+    targets = _targets(args, urls)
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         logs = Path(tmp)
-        port = _free_port()
-        backend_url = f"http://127.0.0.1:{port}"
-        targets = _targets(args, backend_url)
-        backend = _Process("backend", [sys.executable, "-m", "fleetserve.bench.instant_backend",
-                                       "--port", str(port), "--model", _MODEL], logs)  # fmt: skip
+        backends: dict[str, _Process] = {}
         results: list[Measurement] = []
         try:
-            why = _wait_ready(backend, backend_url, 30)
-            if why:
-                raise RuntimeError(f"the instant backend did not start: {why}")
-            print(f"bench router on {os.cpu_count()} CPUs: backend {backend_url}, config"
-                  f" {args.config}, {args.latency_requests} sequential requests, then"
-                  f" {args.concurrency} clients for {args.duration:g} s; one target at a time")  # fmt: skip
+            for name, url in urls.items():
+                port = url.rsplit(":", 1)[1]
+                backends[name] = _Process(name, [sys.executable, "-m", "fleetserve.bench.instant_backend",
+                                                 "--port", port, "--model", _MODEL, "--engine-id", name], logs)  # fmt: skip
+            for name, url in urls.items():
+                why = _wait_ready(backends[name], url, 30)
+                if why:
+                    raise RuntimeError(f"the instant backend ({name}) did not start: {why}")
+            print(f"bench router on {os.cpu_count()} CPUs: {args.mode}, instant backends {urls},"
+                  f" config {args.config}, {args.latency_requests} sequential requests (and as"
+                  f" many streamed), then {args.concurrency} clients for {args.duration:g} s;"
+                  " one target at a time")  # fmt: skip
             for target in targets:
-                invocation = " ".join(target.argv) if target.argv else "(the backend itself)"
+                invocation = " ".join(target.argv) if target.argv else "(the backends themselves)"
                 print(f"-- {target.name}: {invocation}", flush=True)
                 proc = _Process(target.name, target.argv, logs) if target.argv else None
                 try:
                     why = _wait_ready(proc, target.url, args.ready_timeout)
-                    before = _backend_stats(backend_url)
+                    before = {n: _backend_stats(u) for n, u in urls.items()}
                     if why:
                         m = Measurement(target.name, invocation, error=why)
                     else:
                         m = measure(target, args)
                         m.invocation = invocation
-                    m.backend_calls = _delta(_backend_stats(backend_url), before)
+                    m.backend_calls = {
+                        n: _delta(_backend_stats(u), before[n]) for n, u in urls.items()
+                    }
                 finally:
                     if proc is not None:
                         proc.stop()
@@ -385,7 +422,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                 )
                 print(f"   {summary}", flush=True)
         finally:
-            backend.stop()
+            for backend in backends.values():
+                backend.stop()
     print(format_table(results))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))

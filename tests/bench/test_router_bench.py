@@ -91,7 +91,7 @@ def test_the_table_names_a_router_that_did_not_start() -> None:
                          requests_per_s=8000)  # fmt: skip
     failed = Measurement("fleetserve", error="exited with code 2: no such flag")
     peer = Measurement("vllm-router", latency_ms={"p50": 0.5, "p99": 1.3}, stream_ms={"p50": 0.7, "p99": 0.9},
-                       requests_per_s=2000, backend_calls={"unknown": {"POST /tokenize": 3}})  # fmt: skip
+                       requests_per_s=2000, backend_calls={"engine": {"unknown": {"POST /tokenize": 3}}})  # fmt: skip
     table = format_table([direct, failed, peer])
     lines = table.splitlines()
     assert lines[0].split() == ["direct", "fleetserve", "vllm-router"]
@@ -112,6 +112,6 @@ def test_the_table_names_a_router_that_did_not_start() -> None:
     ]
     assert "fleetserve: did not run: exited with code 2: no such flag" in lines
     assert (
-        "vllm-router: backend paths it called that an engine may not have: {'POST /tokenize': 3}"
+        "vllm-router: engine paths it called that an engine may not have: {'POST /tokenize': 3}"
         in lines
     )
