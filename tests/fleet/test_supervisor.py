@@ -6,6 +6,7 @@ SIGTERM or even a SIGKILL of the supervisor."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import signal
 import subprocess
@@ -229,3 +230,18 @@ def test_a_killed_supervisor_leaves_no_child_behind() -> None:
     proc.wait()
     # The kernel sends each child SIGTERM when the supervisor dies (PR_SET_PDEATHSIG).
     assert wait_gone(pids, timeout_s=10) == []
+
+
+def test_what_a_killed_child_leaves_in_its_group_is_stopped_too() -> None:
+    """An engine killed by SIGKILL leaves its engine core behind: its process group is stopped."""
+    out = io.StringIO()
+    sup = Supervisor(
+        [[Child("decode", with_grandchild()), Child("router", sleeper())]], out=out, grace_s=5
+    )
+    sup.start()
+    pids = _until("decode's pids", lambda: _pids(out, "decode"))
+    assert isinstance(pids, list) and len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    assert sup.wait() == 1
+    assert "[up] decode was killed by SIGKILL; stopping the others" in out.getvalue().splitlines()
+    assert wait_gone([pids[1], *sup.pids().values()], timeout_s=1) == []
