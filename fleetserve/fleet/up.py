@@ -162,7 +162,7 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
     ):
         port = router + offset if given is None else given
         if port == 0:
-            port = _free_port(host)
+            port = _free_port("127.0.0.1")
         if port > 65535:
             raise ValueError(
                 f"--port {router} + {offset} is no port for the {role} engine; pass --{role}-port"
@@ -171,7 +171,8 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
     if len(set(ports.values())) != 3:
         raise ValueError(f"the router, prefill and decode ports must differ, got {ports}")
     for role, port in ports.items():
-        _check_free(host, port, role)
+        # The engines listen on loopback whatever --host the router binds.
+        _check_free(host if role == "router" else "127.0.0.1", port, role)
     return ports["router"], ports["prefill"], ports["decode"]
 
 
