@@ -139,6 +139,12 @@ def test_chat_through_the_operators_router_goes_prefill_then_decode_and_scales(
             return st.get("phase") == "Ready"
 
         poll("Ready with the router's readiness", ready, timeout_s=300, interval_s=1)
+        # The router's discovery ran as its own ServiceAccount (the token the local node hands
+        # the pod), and its Role was enough: it read the pods and was never denied.
+        calls = env.dc.audit_events(username=user)
+        read = {e["verb"] for e in calls if e.get("objectRef", {}).get("resource") == "pods"}
+        assert read & {"list", "watch"}, f"the router never read pods as {user}"
+        assert [e["requestURI"] for e in calls if e["responseStatus"]["code"] == 403] == []
         (router_pod,) = _pods(env, ns, name, "router")
         uid = router_pod["metadata"]["uid"]
         base = f"http://{router_pod['status']['podIP']}:8080"
