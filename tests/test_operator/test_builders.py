@@ -276,7 +276,10 @@ def test_cpu_sample_runs_a_prefill_and_a_decode_engine_on_the_local_node() -> No
     engines = [c for c in children if c["kind"] == "StatefulSet"]
     assert [s["metadata"]["name"] for s in engines] == ["d-prefill-0", "d-decode-0"]
     router = next(c for c in children if c["kind"] == "Deployment")
-    assert router["spec"]["replicas"] == 0
+    assert router["spec"]["replicas"] == 1
+    assert router["spec"]["template"]["spec"]["nodeSelector"] == {
+        "fleetserve.io/local-node": "true"
+    }
     for sts, role in zip(engines, ("producer", "consumer"), strict=True):
         pod = sts["spec"]["template"]["spec"]
         c = pod["containers"][0]
