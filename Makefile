@@ -45,8 +45,14 @@ $(SETUP_STAMP): pyproject.toml | sysdeps
 model: $(SETUP_STAMP)
 	$(PY) -m fleetserve models prepare
 
+# `make run ARGS=--once` exits after the answer; any `fleetserve up` flag goes in ARGS.
+ARGS ?=
 .PHONY: run
-run: setup ## Chat with the bundled SmolLM2-135M-Instruct on the CPU
+run: setup ## The local fleet (prefill + decode engines, router on 127.0.0.1:8000): one chat completion, then serving until Ctrl-C
+	$(PY) -m fleetserve up --ask "What is the capital of France?" $(ARGS)
+
+.PHONY: chat
+chat: setup ## Chat offline with the bundled SmolLM2-135M-Instruct (one process, no server)
 	$(PY) -m fleetserve chat --max-tokens 64 "What is the capital of France?"
 
 .PHONY: test

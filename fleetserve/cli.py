@@ -50,6 +50,12 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_router(args: argparse.Namespace) -> int:
+    from fleetserve.bench.router import run_from_args
+
+    return run_from_args(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from fleetserve.bench.serve import run_from_args
 
@@ -102,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_transfer_arguments(kv_transfer)
     kv_transfer.set_defaults(func=_cmd_bench_kv_transfer)
 
+    from fleetserve.bench.router import add_arguments as add_router_bench_arguments
+
+    router_bench = bench_sub.add_parser(
+        "router", help="a router's added latency and max requests/s vs vllm-router"
+    )
+    add_router_bench_arguments(router_bench)
+    router_bench.set_defaults(func=_cmd_bench_router)
     from fleetserve.bench.pd_handover import add_arguments as add_handover_arguments
 
     handover = bench_sub.add_parser(
@@ -122,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.operator.cli import register as register_operator
 
     register_operator(sub)
+    from fleetserve.fleet.up import register as register_up
+
+    register_up(sub)
     from fleetserve.router.cli import register as register_router
 
     register_router(sub)
@@ -129,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["up"]:
+        # NOTE: the full parser imports the engine's flag definitions, and with them torch; the
+        # process that supervises the local fleet's engines must not load it.
+        from fleetserve.fleet.up import main as up_main
+
+        return up_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

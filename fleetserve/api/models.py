@@ -206,6 +206,10 @@ class RouterSpec(_Model):
     disaggregation: Disaggregation = Field(default_factory=Disaggregation)
     prefix_aware: bool = True
     load_aware: bool = True
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="where the router pods run (e.g. the engines' nodes)"
+    )
+    tolerations: list[dict[str, str]] = Field(default_factory=list)
 
 
 class RoleScaling(_Model):

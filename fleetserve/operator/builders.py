@@ -1,7 +1,9 @@
 """Pure builders: InferenceDeployment spec → the child objects (plain dicts) the operator applies.
 
 Per role, `replicas` groups of `group_size` pods: one StatefulSet + headless Service per group
-(pod 0 leads); then the router Deployment + Service. Labels come from `fleetserve.api.labels`.
+(pod 0 leads); then the router: its ServiceAccount, a Role that lets it watch the namespace's pods
+(its Kubernetes discovery, and nothing more) bound to that account, its Deployment and Service.
+Labels come from `fleetserve.api.labels`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from fleetserve.api.labels import (
 )
 from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
 from fleetserve.api.router_config import RouterConfig
+from fleetserve.envs import env_name
 from fleetserve.operator.render import ENGINE_PORT, MODEL_MOUNT, engine_args, engine_env
 
 __all__ = [
+    "ROUTER_POD_RULES",
     "ROUTER_PORT",
     "Owner",
     "build_children",
@@ -33,12 +37,22 @@ __all__ = [
     "build_group_statefulset",
     "build_router_config",
     "build_router_deployment",
+    "build_router_role",
+    "build_router_role_binding",
     "build_router_service",
+    "build_router_service_account",
     "group_name",
     "router_name",
 ]
 
 ROUTER_PORT = 8080
+
+ROUTER_POD_RULES: tuple[dict[str, list[str]], ...] = (
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+)
+"""The router's whole RBAC, in its own namespace: read and watch the engine pods (their IPs,
+readiness, role and compatibility-hash labels). EndpointSlices are not read: the dev cluster's
+loopback pod IPs get none (docs/dev-cluster.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +209,37 @@ def _router_labels() -> dict[str, str]:
     return {LABEL_ROLE: ROUTER_ROLE}
 
 
+def build_router_service_account(owner: Owner) -> dict[str, Any]:
+    """The router pods' ServiceAccount (named like the Deployment), bound by the Role below."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": owner.meta(router_name(owner.name), _router_labels()),
+    }
+
+
+def build_router_role(owner: Owner) -> dict[str, Any]:
+    """Role of the router: `ROUTER_POD_RULES` in the deployment's namespace."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": owner.meta(router_name(owner.name), _router_labels()),
+        "rules": [{k: list(v) for k, v in rule.items()} for rule in ROUTER_POD_RULES],
+    }
+
+
+def build_router_role_binding(owner: Owner) -> dict[str, Any]:
+    """Binds the router's Role to its ServiceAccount (same name, same namespace)."""
+    name = router_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": owner.meta(name, _router_labels()),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
 def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterConfig:
     """The router's config: the spec's routing fields and how to find this deployment's pods.
 
@@ -221,22 +266,44 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         # The router hashes prompts in the engines' blocks; another size would match no prefix.
         block_size=spec.model.block_size,
         engine_port=ENGINE_PORT,
-        host="0.0.0.0",
+        # NOTE: the pod IP, like the engines: on the dev cluster's local node pods share the
+        # host network, each with its own loopback address.
+        host=f"$({env_name('pod_ip')})",
         port=ROUTER_PORT,
     )
 
 
 def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, Any]:
-    """Router Deployment running `fleetserve router` with `build_router_config`'s arguments."""
+    """Router Deployment running `fleetserve router` with `build_router_config`'s arguments.
+
+    Its pods run as the router's ServiceAccount (Kubernetes discovery watches the engine pods
+    with it) and are ready once `/health` answers 200, which the router does only after one
+    real generation went through an engine.
+    """
     labels = _router_labels()
     container = {
         "name": "router",
         "image": spec.engine.image,
         "command": list(spec.engine.command),
         "args": ["router", *build_router_config(spec, owner).to_args()],
+        "env": [
+            {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": ROUTER_PORT},
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+        },
     }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(owner.name),
+        "containers": [container],
+    }
+    if spec.router.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.router.node_selector)
+    if spec.router.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.router.tolerations]
     selector = {LABEL_DEPLOYMENT: owner.name, **labels}
     return {
         "apiVersion": "apps/v1",
@@ -245,7 +312,7 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector},
-            "template": {"metadata": {"labels": selector}, "spec": {"containers": [container]}},
+            "template": {"metadata": {"labels": selector}, "spec": pod_spec},
         },
     }
 
@@ -278,5 +345,11 @@ def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str
         for i in range(role.replicas):
             children.append(build_group_service(owner, role_name, i))
             children.append(build_group_statefulset(spec, owner, role_name, role, i))
-    children += [build_router_deployment(spec, owner), build_router_service(owner)]
+    children += [
+        build_router_service_account(owner),
+        build_router_role(owner),
+        build_router_role_binding(owner),
+        build_router_deployment(spec, owner),
+        build_router_service(owner),
+    ]
     return children

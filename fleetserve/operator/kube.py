@@ -28,6 +28,9 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "Pod": ("/api/v1", "pods"),
         "StatefulSet": ("/apis/apps/v1", "statefulsets"),
         "Deployment": ("/apis/apps/v1", "deployments"),
+        "ServiceAccount": ("/api/v1", "serviceaccounts"),
+        "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+        "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
         "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
     }
 )

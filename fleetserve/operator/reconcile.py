@@ -50,7 +50,7 @@ __all__ = [
     "restart_group_after_container_restart",
 ]
 
-CHILD_KINDS = ("Service", "StatefulSet", "Deployment")
+CHILD_KINDS = ("Service", "StatefulSet", "Deployment", "ServiceAccount", "Role", "RoleBinding")
 
 _T = TypeVar("_T")
 

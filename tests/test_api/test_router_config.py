@@ -91,7 +91,9 @@ def test_flags_come_from_the_fields() -> None:
 def test_field_names_match_the_api() -> None:
     names = {f.name for f in fields(RouterConfig)}
     assert set(Disaggregation.model_fields) <= names
-    assert set(RouterSpec.model_fields) - {"replicas", "disaggregation"} <= names
+    # Not routing settings: how many router pods, and where they run (the Deployment's).
+    placement = {"replicas", "disaggregation", "node_selector", "tolerations"}
+    assert set(RouterSpec.model_fields) - placement <= names
     defaults = RouterConfig(**PD)
     assert defaults.mode == Disaggregation().mode
     assert defaults.min_uncached_tokens == Disaggregation().min_uncached_tokens

@@ -15,7 +15,16 @@ from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
 from fleetserve.api.models import InferenceDeploymentSpec, KVTransfer
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.envs import read_env
-from fleetserve.operator.builders import Owner, build_children, build_router_config
+from fleetserve.operator.builders import (
+    ROUTER_POD_RULES,
+    Owner,
+    build_children,
+    build_router_config,
+    build_router_deployment,
+    build_router_role,
+    build_router_role_binding,
+    build_router_service_account,
+)
 from fleetserve.operator.render import ENGINE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +72,9 @@ def test_dense_pd_children() -> None:
         ("StatefulSet", "d-prefill-1"),
         ("Service", "d-decode-0"),
         ("StatefulSet", "d-decode-0"),
+        ("ServiceAccount", "d-router"),
+        ("Role", "d-router"),
+        ("RoleBinding", "d-router"),
         ("Deployment", "d-router"),
         ("Service", "d"),
     ]
@@ -123,7 +135,14 @@ def test_no_engine_config_map_or_dead_env() -> None:
     """Nothing reads an engine.json or the old FLEETSERVE_* variables, so nothing renders them."""
     for sample in SAMPLES:
         children = build_children(_sample(sample), OWNER)
-        assert {c["kind"] for c in children} == {"Service", "StatefulSet", "Deployment"}
+        assert {c["kind"] for c in children} == {
+            "Service",
+            "StatefulSet",
+            "Deployment",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+        }
         for sts in (c for c in children if c["kind"] == "StatefulSet"):
             c = _container(sts)
             assert [e["name"] for e in c["env"]] == ENV_NAMES, sample
@@ -257,7 +276,10 @@ def test_cpu_sample_runs_a_prefill_and_a_decode_engine_on_the_local_node() -> No
     engines = [c for c in children if c["kind"] == "StatefulSet"]
     assert [s["metadata"]["name"] for s in engines] == ["d-prefill-0", "d-decode-0"]
     router = next(c for c in children if c["kind"] == "Deployment")
-    assert router["spec"]["replicas"] == 0
+    assert router["spec"]["replicas"] == 1
+    assert router["spec"]["template"]["spec"]["nodeSelector"] == {
+        "fleetserve.io/local-node": "true"
+    }
     for sts, role in zip(engines, ("producer", "consumer"), strict=True):
         pod = sts["spec"]["template"]["spec"]
         c = pod["containers"][0]
@@ -299,7 +321,9 @@ def test_router_args_are_its_config(sample: str) -> None:
     spec = _sample(sample)
     router = next(c for c in build_children(spec, OWNER) if c["kind"] == "Deployment")
     c = _container(router)
-    assert "env" not in c
+    assert c["env"] == [
+        {"name": "FLEETSERVE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    ]
     assert c["args"][0] == "router"
     parsed = RouterConfig.from_args(_router_parser().parse_args(c["args"][1:]))
     assert parsed == build_router_config(spec, OWNER)
@@ -308,6 +332,11 @@ def test_router_args_are_its_config(sample: str) -> None:
     assert parsed.compatibility_hash == compatibility_hash(spec)
     assert parsed.block_size == spec.model.block_size
     assert (parsed.namespace, parsed.engine_port, parsed.port) == ("ns", 8000, 8080)
+    assert parsed.host == "$(FLEETSERVE_POD_IP)"
+    assert (parsed.prefix_aware, parsed.load_aware) == (
+        spec.router.prefix_aware,
+        spec.router.load_aware,
+    )
     selectors = {
         "prefill": parsed.prefill_selector,
         "decode": parsed.decode_selector,
@@ -453,3 +482,80 @@ def test_transfer_mode_is_in_the_compatibility_hash() -> None:
     pull = compatibility_hash(_spec(kvTransfer={"transferMode": "pull"}))
     push = compatibility_hash(_spec(kvTransfer={"transferMode": "push"}))
     assert pull != push
+
+
+def test_the_router_may_read_and_watch_pods_and_nothing_more() -> None:
+    role = build_router_role(OWNER)
+    assert role["apiVersion"] == "rbac.authorization.k8s.io/v1" and role["kind"] == "Role"
+    assert role["metadata"]["namespace"] == "ns" and role["metadata"]["name"] == "d-router"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert [dict(r) for r in ROUTER_POD_RULES] == role["rules"]
+    # Changing the built Role must not change the constant it came from.
+    role["rules"][0]["verbs"].append("delete")
+    assert ROUTER_POD_RULES[0]["verbs"] == ["get", "list", "watch"]
+
+
+def test_the_router_runs_as_its_own_service_account_bound_to_its_role() -> None:
+    spec = _sample("dense-pd.yaml")
+    account = build_router_service_account(OWNER)
+    binding = build_router_role_binding(OWNER)
+    role = build_router_role(OWNER)
+    assert account == {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": "d-router",
+            "namespace": "ns",
+            "labels": {"fleetserve.io/deployment": "d", "fleetserve.io/role": "router"},
+            "ownerReferences": [OWNER.reference()],
+        },
+    }
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "ns"}
+    ]
+    for child in (account, role, binding):
+        assert child["metadata"]["ownerReferences"] == [OWNER.reference()]
+    pod = build_router_deployment(spec, OWNER)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_the_router_is_ready_when_its_health_answers() -> None:
+    router = build_router_deployment(_sample("dense-pd.yaml"), OWNER)
+    c = _container(router)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8080}
+    assert c["ports"] == [{"name": "http", "containerPort": 8080}]
+
+
+def test_the_router_block_sets_the_router_flags_and_placement() -> None:
+    spec = _spec(
+        router={
+            "replicas": 2,
+            "disaggregation": {"mode": "selective", "minUncachedTokens": 32},
+            "prefixAware": False,
+            "loadAware": False,
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+    )
+    router = build_router_deployment(spec, OWNER)
+    assert router["spec"]["replicas"] == 2
+    pod = router["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    assert pod["tolerations"] == [
+        {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    args = _container(router)["args"]
+    parsed = RouterConfig.from_args(_router_parser().parse_args(args[1:]))
+    assert (parsed.mode, parsed.min_uncached_tokens) == ("selective", 32)
+    assert (parsed.prefix_aware, parsed.load_aware) == (False, False)
+    assert "--no-prefix-aware" in args and "--no-load-aware" in args
+    # Without a placement the pod spec names none (the scheduler's choice).
+    default = build_router_deployment(_spec(), OWNER)["spec"]["template"]["spec"]
+    assert "nodeSelector" not in default and "tolerations" not in default

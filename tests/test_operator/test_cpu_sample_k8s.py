@@ -3,9 +3,9 @@
 The CPU SmolLM2 sample's pods run as real `fleetserve serve` processes: every rendered flag and env
 var must be accepted (the connector config included), the engines must load the model and pass
 their /health readiness probes, and the InferenceDeployment must turn Ready from those probes
-alone. The sample is one prefill and one decode engine and no router (issue 15), so the test
-drives the disaggregated protocol itself: a prompt prefilled on the prefill pod and decoded on
-the decode pod gives the tokens the prefill pod gives when it decodes the prompt alone.
+alone and the router's (test_router_k8s.py goes through the router). Here the test drives the
+disaggregated protocol itself: a prompt prefilled on the prefill pod and decoded on the decode pod
+gives the tokens the prefill pod gives when it decodes the prompt alone.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_cpu_sample_runs_real_engines(operator_env: OperatorEnv) -> None:
             )
 
         poll("Ready from the engines' readiness probes", ready, timeout_s=240, interval_s=1)
-        pods = env.get("pod", ns, selector=f"fleetserve.io/deployment={name}")
+        pods = env.get("pod", ns, selector=f"fleetserve.io/deployment={name},fleetserve.io/group")
         assert sorted(p["metadata"]["name"] for p in pods["items"]) == [
             f"{name}-decode-0-0",
             f"{name}-prefill-0-0",
@@ -58,7 +58,7 @@ def test_cpu_sample_runs_real_engines(operator_env: OperatorEnv) -> None:
         assert (
             st["roles"]["prefill"]["readyReplicas"] == st["roles"]["decode"]["readyReplicas"] == 1
         )
-        assert st["router"] == {"replicas": 0, "readyReplicas": 0}
+        assert st["router"] == {"replicas": 1, "readyReplicas": 1}
         conditions = {c["type"]: c["status"] for c in st["conditions"]}
         assert conditions["TransferReady"] == "True"
         ip = {}
