@@ -5,13 +5,19 @@ Decode first. Candidates are the available decode and unified engines not exclud
 request; an engine whose queue or KV cache is full (`EngineLoad.saturated`) is skipped while
 another is not. Each candidate is scored
 
-    score = prefix_fraction (prefix-aware) - load_weight * load (load-aware)
+    score = prefix_fraction                                  (prefix-aware)
+            - RELATIVE_LOAD_WEIGHT * relative_load - LOAD_WEIGHT * load   (load-aware)
 
 where `prefix_fraction` is the share of the prompt's full blocks the engine is believed to hold
-(the longest run of its block hashes in the router's `ApproxPrefixCache`) and `load` in [0, 2]
-combines the engine's queue (waiting / saturation), its running batch and KV usage. With
-load_weight 0.5 a full prefix hit beats an idle engine unless the hit one is half saturated.
-Ties go round-robin.
+(the longest run of its block hashes in the router's `ApproxPrefixCache`), `load` in [0, 2]
+combines the engine's queue (waiting / saturation), its running batch and KV usage, and
+`relative_load` is that load min-max normalised over the candidates (0 for the least loaded, 1
+for the most; 0 for all when they are equal), as llm-d's queue scorer does. The relative term is
+what spreads traffic: a prompt that shares only a system prompt with earlier ones (half its
+blocks) goes to a less loaded engine, such as a decode pod just scaled out, rather than pile onto
+the engine that saw the system prompt first; a hit of more than 3/4 of the prompt keeps its
+engine against a small load difference, and the absolute term stops that once the hit engine is
+heavily loaded. Equally loaded engines are chosen by prefix alone; ties go round-robin.
 
 Then prefill: a unified engine never uses one (`colocated`). Otherwise the mode decides:
 `never` is decode-only; `always` takes the least loaded available prefill engine whose
@@ -45,7 +51,9 @@ Role = Literal["prefill", "decode", "unified"]
 DecisionKind = Literal["disaggregated", "decode_only", "colocated"]
 
 LOAD_WEIGHT = 0.5
-"""How much one unit of load costs against a full prefix hit (see the module docstring)."""
+"""How much one unit of absolute load costs against a full prefix hit (module docstring)."""
+RELATIVE_LOAD_WEIGHT = 0.75
+"""How much being the most loaded candidate costs against a full prefix hit."""
 KV_SATURATED = 0.98
 """KV usage at or above which an engine is saturated (it would preempt or queue)."""
 
@@ -229,13 +237,16 @@ class RoutingPolicy:
         best: tuple[float, int] | None = None
         chosen = engines[0]
         chosen_matched = 0
+        loads = [self.load(engine) for engine in engines]
+        lowest, spread = min(loads), max(loads) - min(loads)
         for i, engine in enumerate(engines):
             matched = prefixes.match(engine.url, hashes) if self.prefix_aware and hashes else 0
             score = 0.0
             if self.prefix_aware and hashes:
                 score += matched / len(hashes)
             if self.load_aware:
-                score -= LOAD_WEIGHT * self.load(engine)
+                relative = (loads[i] - lowest) / spread if spread > 1e-9 else 0.0
+                score -= RELATIVE_LOAD_WEIGHT * relative + LOAD_WEIGHT * loads[i]
             key = (round(score, 9), -((i - self._turn) % n))
             if best is None or key > best:
                 best, chosen, chosen_matched = key, engine, matched

@@ -67,6 +67,24 @@ def test_repeats_of_a_long_prefix_go_to_the_same_decode_engine() -> None:
     assert len(spread) > 1
 
 
+def test_a_shared_system_prompt_does_not_keep_a_scaled_out_engine_idle() -> None:
+    # Chats that share only their template's system prompt (half their blocks) must reach a
+    # decode engine that just joined, as soon as the first one has more work; a long shared
+    # prefix stays with its engine against a small load difference, not against a heavy one.
+    system = list(range(100, 132))  # 2 blocks every chat starts with
+    old, new = _engine("http://d0:1", in_flight=1), _engine("http://d1:1")
+    policy, cache = _policy(mode="never"), ApproxPrefixCache(1000)
+    cache.record(old.url, hash_token_blocks(system + list(range(500, 532)), BLOCK))
+    chat = system + list(range(600, 632))  # 4 blocks, the first 2 known on d0
+    assert policy.decide([old, new], _request(chat), cache).decode_url == new.url
+    long_hit = system + list(range(500, 532)) + list(range(700, 716))  # 4 of 5 blocks on d0
+    assert policy.decide([old, new], _request(long_hit), cache).decode_url == old.url
+    heavy = _engine("http://d0:1", load=EngineLoad(waiting=6, running=8, kv_usage=0.6))
+    assert policy.decide([heavy, new], _request(long_hit), cache).decode_url == new.url
+    # Equally loaded, the half hit decides.
+    assert policy.decide([_engine("http://d0:1"), new], _request(chat), cache).decode_url == old.url
+
+
 def test_the_prefix_match_equals_the_engines_hashing_and_stops_at_the_first_miss() -> None:
     cache = ApproxPrefixCache(100)
     tokens = list(range(100))
