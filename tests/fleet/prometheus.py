@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import urllib.request
 
+from fleetserve.common.metric_names import ROUTER_DECISIONS
+
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -32,26 +34,15 @@ def total(metrics: list[tuple[str, dict[str, str], float]], name: str) -> float:
 
 
 def router_decisions(metrics: list[tuple[str, dict[str, str], float]]) -> dict[str, float]:
-    """The router's decision counter (`fleetserve:router_decisions*`) by its label values.
-
-    NOTE: the exact name and label of the router's decision counter are the router's (issue 15);
-    every `fleetserve:router_*decision*` counter sample is read, keyed by its joined label values.
-    """
+    """The router's decision counter (`ROUTER_DECISIONS`) by its `kind` label."""
+    name = ROUTER_DECISIONS.name
     decisions: dict[str, float] = {}
-    for name, labels, value in metrics:
-        if (
-            name.startswith("fleetserve:router_")
-            and "decision" in name
-            and not name.endswith("_created")
-        ):
-            key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-            decisions[key] = decisions.get(key, 0.0) + value
+    for sample, labels, value in metrics:
+        if sample in (name, f"{name}_total"):
+            decisions[labels["kind"]] = decisions.get(labels["kind"], 0.0) + value
     return decisions
 
 
 def went_prefill_then_decode(decisions: dict[str, float]) -> float:
-    """How many decisions name a remote prefill (a label value mentioning prefill or P/D)."""
-    words = ("prefill", "disagg", "remote", "pd")
-    return sum(
-        v for k, v in decisions.items() if any(w in k.lower() for w in words) and "never" not in k
-    )
+    """How many decisions sent the prompt to a prefill engine first (kind `disaggregated`)."""
+    return decisions.get("disaggregated", 0.0)
