@@ -118,6 +118,13 @@ def create_app(model: str, tokens: int, engine_id: str) -> web.Application:
         ids = [zlib.crc32(w.encode()) % 32000 for w in text.split()]
         return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids})
 
+    async def kv_transfer(_: web.Request) -> web.Response:
+        # The identity a P/D router pairs engines by: both KV roles, one hash for every backend.
+        return web.json_response(
+            {"engine_id": engine_id, "role": "both", "host": "127.0.0.1", "port": 0,
+             "compatibility_hash": "instant-backend"}
+        )  # fmt: skip
+
     async def models(_: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "bench"}]}
@@ -142,6 +149,7 @@ def create_app(model: str, tokens: int, engine_id: str) -> web.Application:
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/kv_transfer", kv_transfer)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -55,6 +55,8 @@ class EngineState:
     scraped: bool = False
     model: str | None = None
     """The first model id its /v1/models lists (what the readiness generation asks for)."""
+    problem: str | None = None
+    """The last scrape failure, logged once as a warning until it changes or clears."""
 
 
 class Fleet:
@@ -230,12 +232,19 @@ class Fleet:
                 engine.model = await self._first_model(session, engine, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self.engines.get(engine.url) is engine:
-                logger.debug("scrape of %s failed: %s", engine.url, exc)
+                # NOTE: a misconfigured engine (no connector, the wrong KV role) never becomes
+                # usable; say so once, not at every scrape, and not silently.
+                if str(exc) != engine.problem:
+                    engine.problem = str(exc) or type(exc).__name__
+                    logger.warning("engine %s is not usable yet: %s", engine.url, engine.problem)
                 if engine.scraped or engine.breaker.state != "closed":
                     self._outcome(engine.breaker, False, engine.role)
             return
         engine.load = load
         engine.scraped = True
+        if engine.problem is not None:
+            logger.info("engine %s answers its scrapes again", engine.url)
+            engine.problem = None
 
     async def _learn_identity(
         self, session: aiohttp.ClientSession, engine: EngineState, timeout: aiohttp.ClientTimeout

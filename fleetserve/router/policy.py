@@ -151,10 +151,15 @@ class RoutingPolicy:
         return self.prefix_aware or self.mode == "selective"
 
     def saturated(self, engine: EngineSnapshot) -> bool:
-        """Queue at the saturation limit or KV cache full."""
+        """The engine's own queue at the saturation limit, or its KV cache full.
+
+        Only what the engine reported counts here: the router's in-flight count says nothing of
+        how many the engine runs at once, so a burst to an idle engine between two scrapes
+        (all of it "in flight", none of it seen running yet) would read as a queue and be
+        refused with 429s the engine would have served. In-flight requests weigh in the score.
+        """
         load = engine.load
-        queue = max(load.waiting, engine.in_flight - load.running)
-        return (self.saturation_waiting > 0 and queue >= self.saturation_waiting) or (
+        return (self.saturation_waiting > 0 and load.waiting >= self.saturation_waiting) or (
             load.kv_usage >= KV_SATURATED
         )
 

@@ -105,6 +105,17 @@ def test_the_prefix_cache_is_bounded_per_engine() -> None:
         ApproxPrefixCache(0)
 
 
+def test_a_burst_between_two_scrapes_is_not_saturation() -> None:
+    # 64 requests just sent to an idle engine: none seen running yet, but the engine runs them;
+    # only its own reported queue (or a full KV cache) saturates it.
+    policy, cache = _policy(mode="never"), ApproxPrefixCache(100)
+    burst = _engine("http://d:1", in_flight=64)
+    assert _route(policy, [burst], [1, 2, 3], cache)[0] == burst.url
+    queued = _engine("http://d:1", in_flight=64, load=EngineLoad(waiting=32, running=32))
+    with pytest.raises(NoEngineAvailable, match="saturated"):
+        policy.decide([queued], _request([1, 2, 3]), cache)
+
+
 def test_load_awareness_avoids_a_busy_and_a_saturated_engine() -> None:
     policy, cache = _policy(mode="never"), ApproxPrefixCache(100)
     busy = _engine("http://busy:1", load=EngineLoad(waiting=10, running=8, kv_usage=0.7))
