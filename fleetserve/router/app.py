@@ -212,7 +212,7 @@ async def _proxy_inner(request: web.Request, route: str, state: RouterState) -> 
     assert forwarder is not None and state.session is not None
     async with state.admission.slot():
         authorization = request.headers.get("Authorization")
-        tokenize_url = _tokenize_url(state)
+        tokenize_url = _tokenize_url(state) if state.policy.needs_tokens else None
         base = await prompt_request(
             state.session,
             body,

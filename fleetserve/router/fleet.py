@@ -180,6 +180,7 @@ class Fleet:
             self._outcome(self.pair_breaker(prefill, decode), outcome, "pair")
 
     def _outcome(self, breaker: CircuitBreaker, outcome: bool | None, target: str) -> None:
+        before = breaker.state
         if outcome is True:
             breaker.record_success()
         elif outcome is False:
@@ -188,7 +189,11 @@ class Fleet:
                 logger.warning("circuit opened for a %s", target)
         else:
             breaker.release()
-        self._export_engine_counts()
+        # NOTE: only a breaker that changed state can change the usable-engine counts; exporting
+        # them on every request cost more than the rest of the accounting (the scraper also
+        # exports them each interval, which covers an open breaker's cooldown ending).
+        if breaker.state != before:
+            self._export_engine_counts()
 
     def _export_engine_counts(self) -> None:
         counts: dict[tuple[str, str], int] = {
