@@ -23,6 +23,9 @@ NICE="nice -n 10"
 
 log() { printf '[dev-cluster-bin %(%H:%M:%S)T] %s\n' -1 "$*"; }
 START=$SECONDS
+# A step that fails outside go_progress (go mod init, download, get) must still say so.
+set -E
+trap 'rc=$?; log "ERROR: the build failed (exit $rc) at line $LINENO: $BASH_COMMAND"' ERR
 
 # go build is silent for minutes; with -v it names each package as it compiles it. Print one
 # progress line every 20 s (packages so far, elapsed time), and the last lines if it fails.
