@@ -93,9 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=_port, default=8000, help="the router's port (0: any free)")
     parser.add_argument("--prefill-port", type=_port, default=None,
-                        help=f"prefill engine port (default: --port + {PREFILL_PORT_OFFSET}; 0: any free)")  # fmt: skip
+                        help=f"prefill engine port (default: --port + {PREFILL_PORT_OFFSET}, any free one with --port 0; 0: any free)")  # fmt: skip
     parser.add_argument("--decode-port", type=_port, default=None,
-                        help=f"decode engine port (default: --port + {DECODE_PORT_OFFSET}; 0: any free)")  # fmt: skip
+                        help=f"decode engine port (default: --port + {DECODE_PORT_OFFSET}, any free one with --port 0; 0: any free)")  # fmt: skip
     parser.add_argument("--connector", choices=["tcp", "mooncake"], default="tcp",
                         help="the KV connector between the engines")  # fmt: skip
     parser.add_argument("--transfer-mode", choices=["pull", "push"], default="pull")
@@ -160,7 +160,11 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
         ("prefill", args.prefill_port, PREFILL_PORT_OFFSET),
         ("decode", args.decode_port, DECODE_PORT_OFFSET),
     ):
-        port = router + offset if given is None else given
+        if given is None:
+            # NOTE: with --port 0 the router's port is any free one, and so are the engines':
+            # a port derived from a random one may be another connection's ephemeral port.
+            given = router + offset if args.port else 0
+        port = given
         if port == 0:
             port = _free_port("127.0.0.1")
         if port > 65535:
