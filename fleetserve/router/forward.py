@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 
 from fleetserve.api.router_config import RouterConfig
+from fleetserve.common.error_codes import KV_TRANSFER_FAILED
 from fleetserve.openai.errors import error_body
 from fleetserve.router.fleet import Fleet
 from fleetserve.router.metrics import RouterMetrics
@@ -42,8 +43,6 @@ __all__ = ["MAX_ATTEMPTS", "PATHS", "Answer", "Forwarder", "Stream"]
 MAX_ATTEMPTS = 4
 MAX_HELD_EVENTS = 4
 MAX_HELD_BYTES = 1024 * 1024
-KV_TRANSFER_FAILED = "kv_transfer_failed"
-"""The error code an engine gives when a prompt's KV never arrived (retryable elsewhere)."""
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = {"Content-Type": "application/json"}

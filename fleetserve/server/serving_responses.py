@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from fleetserve.common.error_codes import KV_TRANSFER_FAILED
 from fleetserve.engine.engine_client import (
     EngineDeadError,
     EngineOverloadedError,
@@ -26,7 +27,6 @@ from fleetserve.engine.engine_client import (
     RequestRejectedError,
     SlowReaderError,
 )
-from fleetserve.engine.kv_transfer.params import KV_TRANSFER_FAILED
 from fleetserve.engine.request_output import RequestOutput
 from fleetserve.openai.errors import RequestError, error_body, value_error
 from fleetserve.openai.protocol import PromptTokensDetails, UsageInfo

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fleetserve.engine.kv_transfer.params import KV_TRANSFER_FAILED
+from fleetserve.common.error_codes import KV_TRANSFER_FAILED
 from fleetserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:

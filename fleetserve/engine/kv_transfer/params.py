@@ -21,11 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KV_TRANSFER_FAILED", "ConsumerParams", "ProducerParams", "parse_kv_transfer_params"]
+__all__ = ["ConsumerParams", "ProducerParams", "parse_kv_transfer_params"]
 
-KV_TRANSFER_FAILED = "kv_transfer_failed"
-"""What an error about a failed KV load starts with (and its OpenAI error code): a router
-recognises it and may retry the request elsewhere."""
 
 _COMMON_KEYS = {"do_remote_decode", "do_remote_prefill"}
 _PRODUCER_KEYS = {"transfer_id"}
