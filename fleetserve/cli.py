@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -26,40 +27,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_offline(args: argparse.Namespace) -> int:
-    from fleetserve.bench.offline import run_from_args
-
-    return run_from_args(args)
-
-
-def _cmd_bench_decode(args: argparse.Namespace) -> int:
-    from fleetserve.bench.decode import run_from_args
-
-    return run_from_args(args)
-
-
-def _cmd_bench_pd_handover(args: argparse.Namespace) -> int:
-    from fleetserve.bench.pd_handover import run
-
-    return run(args)
-
-
-def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
-    from fleetserve.bench.kv_transfer import run_from_args
-
-    return run_from_args(args)
-
-
-def _cmd_bench_router(args: argparse.Namespace) -> int:
-    from fleetserve.bench.router import run_from_args
-
-    return run_from_args(args)
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from fleetserve.bench.serve import run_from_args
-
-    return run_from_args(args)
+_BENCHES = (
+    ("offline", "offline", "offline throughput vs peers"),
+    ("serve", "serve", "online serving benchmark (TTFT/TPOT/ITL)"),
+    ("decode", "decode", "small-batch decode tok/s vs the weight-read roofline (CUDA graphs/eager)"),
+    ("kv-transfer", "kv_transfer", "KV-block throughput and 4 KiB round trip of tcp, shm and mooncake"),
+    ("router", "router", "a router's added latency and max requests/s vs vllm-router"),
+    ("pd-handover", "pd_handover", "TTFT of a prefill/decode pair vs one engine, transfer split out"),
+)  # fmt: skip
+"""`fleetserve bench` subcommands: (name, module under fleetserve.bench, help). Each module has
+`add_arguments(parser)` and `run_from_args(args) -> int`."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,45 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from fleetserve.bench.offline import add_arguments as add_offline_arguments
-
-    offline = bench_sub.add_parser("offline", help="offline throughput vs peers")
-    add_offline_arguments(offline)
-    offline.set_defaults(func=_cmd_bench_offline)
-    from fleetserve.bench.serve import add_arguments as add_serve_arguments
-
-    serve_bench = bench_sub.add_parser("serve", help="online serving benchmark (TTFT/TPOT/ITL)")
-    add_serve_arguments(serve_bench)
-    serve_bench.set_defaults(func=_cmd_bench_serve)
-    from fleetserve.bench.decode import add_arguments as add_decode_arguments
-
-    decode = bench_sub.add_parser(
-        "decode", help="small-batch decode tok/s vs the weight-read roofline (CUDA graphs/eager)"
-    )
-    add_decode_arguments(decode)
-    decode.set_defaults(func=_cmd_bench_decode)
-    from fleetserve.bench.kv_transfer import add_arguments as add_kv_transfer_arguments
-
-    kv_transfer = bench_sub.add_parser(
-        "kv-transfer", help="KV-block throughput and 4 KiB round trip of tcp, shm and mooncake"
-    )
-    add_kv_transfer_arguments(kv_transfer)
-    kv_transfer.set_defaults(func=_cmd_bench_kv_transfer)
-
-    from fleetserve.bench.router import add_arguments as add_router_bench_arguments
-
-    router_bench = bench_sub.add_parser(
-        "router", help="a router's added latency and max requests/s vs vllm-router"
-    )
-    add_router_bench_arguments(router_bench)
-    router_bench.set_defaults(func=_cmd_bench_router)
-    from fleetserve.bench.pd_handover import add_arguments as add_handover_arguments
-
-    handover = bench_sub.add_parser(
-        "pd-handover", help="TTFT of a prefill/decode pair vs one engine, transfer split out"
-    )
-    add_handover_arguments(handover)
-    handover.set_defaults(func=_cmd_bench_pd_handover)
+    for name, module_name, help_text in _BENCHES:
+        module = importlib.import_module(f"fleetserve.bench.{module_name}")
+        bench_parser = bench_sub.add_parser(name, help=help_text)
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(func=module.run_from_args)
 
     from fleetserve.server.cli import register as register_serve
 

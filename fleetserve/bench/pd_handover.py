@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run_from_args"]
 
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
 _TRANSFER_SUM = "fleetserve:kv_transfer_seconds_sum"
@@ -266,7 +266,7 @@ def _print(
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace) -> int:
     if args.model is None:
         from fleetserve.engine.models.bundled import bundled_model_path
 
