@@ -21,7 +21,6 @@ from tests.fleet.children import (
     alive,
     driver_argv,
     driver_env,
-    free_port,
     health_server,
     ignores_sigterm,
     prints,
@@ -29,6 +28,7 @@ from tests.fleet.children import (
     wait_gone,
     with_grandchild,
 )
+from tests.server.server_process import free_port
 
 
 def _until(what: str, check: Callable[[], object], timeout_s: float = 20.0) -> object:

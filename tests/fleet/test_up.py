@@ -22,8 +22,9 @@ import requests
 from fleetserve.cli import build_parser, main
 from fleetserve.engine.config import KVTransferConfig
 from fleetserve.fleet.up import curl_line, plan_fleet
-from tests.fleet.children import ROOT, alive, free_port, wait_gone
+from tests.fleet.children import ROOT, alive, wait_gone
 from tests.fleet.prometheus import router_decisions, scrape, total, went_prefill_then_decode
+from tests.server.server_process import free_port
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]

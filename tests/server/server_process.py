@@ -53,7 +53,42 @@ class ServerHandle:
         return values
 
 
-def _free_port() -> int:
+def wait_healthy(
+    process: subprocess.Popen[bytes],
+    base_url: str,
+    log_path: Path,
+    what: str,
+    *,
+    timeout_s: float,
+    interval_s: float,
+) -> None:
+    """Poll `base_url`/health until it answers 200; fail with the log's tail if `process` exits
+    or the timeout passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"{what} exited:\n{log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, (
+            f"{what} not healthy in {timeout_s} s:\n{log_path.read_text()[-3000:]}"
+        )
+        try:
+            if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(interval_s)
+
+
+def stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """SIGINT (a clean shutdown), then SIGKILL after `grace_s`."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -67,7 +102,7 @@ def start_server(
         from fleetserve.engine.models.bundled import bundled_model_path
 
         model = str(bundled_model_path())
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "server.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
@@ -79,22 +114,8 @@ def start_server(
     )  # fmt: skip
     handle = ServerHandle(f"http://127.0.0.1:{port}", process, log_path, model, Path(model).name)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, f"server exited:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "server did not become healthy in 300 s"
-            try:
-                if requests.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(process, handle.base_url, log_path, "server", timeout_s=300, interval_s=0.5)
         yield handle
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace_s=30)
         log.close()
