@@ -13,7 +13,7 @@ import enum
 import threading
 from dataclasses import dataclass
 
-__all__ = ["FailureLedger", "TransferFailure", "TransferStage"]
+__all__ = ["FailureLedger", "RequestFailure", "TransferStage"]
 
 
 class TransferStage(enum.Enum):
@@ -25,7 +25,10 @@ class TransferStage(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class TransferFailure:
+class RequestFailure:
+    """One request's first KV-transfer failure, with its stage (the transport's own
+    `TransferFailure` describes one transfer)."""
+
     key: str
     """The request's transfer id."""
     stage: TransferStage
@@ -37,13 +40,13 @@ class FailureLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._failures: dict[str, TransferFailure] = {}
+        self._failures: dict[str, RequestFailure] = {}
         self._deadlines: dict[str, float] = {}
 
     def report(self, key: str, stage: TransferStage, message: str) -> None:
         """Record a failure; the first one reported for a key wins (it is the cause)."""
         with self._lock:
-            self._failures.setdefault(key, TransferFailure(key, stage, message))
+            self._failures.setdefault(key, RequestFailure(key, stage, message))
             self._deadlines.pop(key, None)
 
     def watch(self, key: str, deadline: float) -> None:
@@ -56,7 +59,7 @@ class FailureLedger:
         with self._lock:
             self._deadlines.pop(key, None)
 
-    def drain(self, now: float) -> list[TransferFailure]:
+    def drain(self, now: float) -> list[RequestFailure]:
         """Every failure since the last drain, including watchdog timeouts due at `now`."""
         with self._lock:
             for key, deadline in list(self._deadlines.items()):
@@ -64,7 +67,7 @@ class FailureLedger:
                     del self._deadlines[key]
                     self._failures.setdefault(
                         key,
-                        TransferFailure(
+                        RequestFailure(
                             key,
                             TransferStage.WATCHDOG,
                             f"no completion or failure reported within the deadline for {key}",
