@@ -27,32 +27,27 @@ __all__ = ["prompt_request", "single_prompt"]
 logger = logging.getLogger(__name__)
 
 
-def single_prompt(body: dict[str, Any], route: str) -> tuple[bool, dict[str, Any] | None]:
-    """Whether the request carries one prompt (P/D can carry it), and the `/tokenize` body for
-    it (None: already token ids, or nothing to tokenize)."""
+def single_prompt(
+    body: dict[str, Any], route: str
+) -> tuple[bool, dict[str, Any] | None, list[int] | None]:
+    """Whether the request carries one prompt (P/D can carry it), the `/tokenize` body for it
+    (None: nothing to tokenize), and its token ids when the client gave them (completions)."""
     if route == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
-            return True, None
+            return True, None, None
         add = body.get("add_generation_prompt", True)
-        return True, {"messages": messages, "add_generation_prompt": add}
+        return True, {"messages": messages, "add_generation_prompt": add}, None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return True, {"prompt": prompt}
+        return True, {"prompt": prompt}, None
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return True, None
-    return False, None
-
-
-def _token_ids(body: dict[str, Any]) -> list[int] | None:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        return list(prompt)
-    return None
+        # Token ids the engine would refuse (negative, bool) are not hashed: no prefix claim.
+        valid = bool(prompt) and all(type(t) is int and t >= 0 for t in prompt)
+        return True, None, list(prompt) if valid else None
+    return False, None, None
 
 
 async def prompt_request(
@@ -68,10 +63,9 @@ async def prompt_request(
 ) -> RoutingRequest:
     """The `RoutingRequest` for `body` (a completions or chat body), tokenizing on the engine at
     `tokenize_url` when needed and possible."""
-    disaggregable, tokenize_body = single_prompt(body, route)
+    disaggregable, tokenize_body, ids = single_prompt(body, route)
     if not needs_tokens or not disaggregable:
         return RoutingRequest(disaggregable=disaggregable)
-    ids = _token_ids(body) if route == "completions" else None
     if ids is None and tokenize_body is not None and tokenize_url is not None:
         if isinstance(body.get("model"), str):
             tokenize_body["model"] = body["model"]
