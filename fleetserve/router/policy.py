@@ -12,12 +12,13 @@ where `prefix_fraction` is the share of the prompt's full blocks the engine is b
 (the longest run of its block hashes in the router's `ApproxPrefixCache`), `load` in [0, 2]
 combines the engine's queue (waiting / saturation), its running batch and KV usage, and
 `relative_load` is that load min-max normalised over the candidates (0 for the least loaded, 1
-for the most; 0 for all when they are equal), as llm-d's queue scorer does. The relative term is
-what spreads traffic: a prompt that shares only a system prompt with earlier ones (half its
-blocks) goes to a less loaded engine, such as a decode pod just scaled out, rather than pile onto
-the engine that saw the system prompt first; a hit of more than 3/4 of the prompt keeps its
-engine against a small load difference, and the absolute term stops that once the hit engine is
-heavily loaded. Equally loaded engines are chosen by prefix alone; ties go round-robin.
+for the most; the spread counts as at least `MIN_LOAD_SPREAD`), as llm-d's queue scorer does.
+The relative term is what spreads traffic: a prompt that shares only a system prompt with
+earlier ones (half its blocks) goes to a less loaded engine, such as a decode pod just scaled
+out, rather than pile onto the engine that saw the system prompt first; a hit of more than 3/4
+of the prompt keeps its engine against a small load difference, and the absolute term stops
+that once the hit engine is heavily loaded. Equally loaded engines are chosen by prefix alone; scores within
+`SCORE_TOLERANCE` of the best are ties, and ties go round-robin.
 
 Then prefill: a unified engine never uses one (`colocated`). Otherwise the mode decides:
 `never` is decode-only; `always` takes the least loaded available prefill engine whose
@@ -54,6 +55,14 @@ LOAD_WEIGHT = 0.5
 """How much one unit of absolute load costs against a full prefix hit (module docstring)."""
 RELATIVE_LOAD_WEIGHT = 0.75
 """How much being the most loaded candidate costs against a full prefix hit."""
+MIN_LOAD_SPREAD = 0.05
+"""The load spread that counts as a full one for `relative_load` (about one request's worth:
+one running request is 1/9 * 0.5 = 0.056): below it, differences are scaled down rather than
+stretched to 0..1, so two KV blocks still held on an idle engine do not read as "most loaded"."""
+SCORE_TOLERANCE = 0.02
+"""Scores this close to the best are ties (round-robin among them): load is measured with noise
+and lags, and a deterministic preference on noise starves an engine (e.g. one just recovered
+from a stall, still holding a transfer's blocks, would never get its half-open trial)."""
 KV_SATURATED = 0.98
 """KV usage at or above which an engine is saturated (it would preempt or queue)."""
 
@@ -237,25 +246,27 @@ class RoutingPolicy:
         hashes: Sequence[BlockHash],
         prefixes: ApproxPrefixCache,
     ) -> tuple[EngineSnapshot, int]:
-        """The highest-scoring engine and its matched block count (ties: round-robin)."""
+        """The highest-scoring engine and its matched block count (ties, i.e. scores within
+        `SCORE_TOLERANCE` of the best: round-robin)."""
         n = len(engines)
-        best: tuple[float, int] | None = None
-        chosen = engines[0]
-        chosen_matched = 0
         loads = [self.load(engine) for engine in engines]
-        lowest, spread = min(loads), max(loads) - min(loads)
+        lowest, spread = min(loads), max(max(loads) - min(loads), MIN_LOAD_SPREAD)
+        scores: list[float] = []
+        matches: list[int] = []
         for i, engine in enumerate(engines):
             matched = prefixes.match(engine.url, hashes) if self.prefix_aware and hashes else 0
             score = 0.0
             if self.prefix_aware and hashes:
                 score += matched / len(hashes)
             if self.load_aware:
-                relative = (loads[i] - lowest) / spread if spread > 1e-9 else 0.0
+                relative = (loads[i] - lowest) / spread
                 score -= RELATIVE_LOAD_WEIGHT * relative + LOAD_WEIGHT * loads[i]
-            key = (round(score, 9), -((i - self._turn) % n))
-            if best is None or key > best:
-                best, chosen, chosen_matched = key, engine, matched
-        return chosen, chosen_matched
+            scores.append(score)
+            matches.append(matched)
+        floor = max(scores) - SCORE_TOLERANCE
+        tied = [i for i in range(n) if scores[i] >= floor]
+        chosen = min(tied, key=lambda i: (i - self._turn) % n)
+        return engines[chosen], matches[chosen]
 
     def load(self, engine: EngineSnapshot) -> float:
         """Load in [0, 2]: the queue against the saturation limit, the batch, and KV usage."""

@@ -89,7 +89,13 @@ async def stream_response(
             **prepared.headers,
         }
     )
-    await response.prepare(request)
+    try:
+        await response.prepare(request)
+    except ConnectionError:
+        # NOTE: the client left before the headers went out (e.g. a router that timed out on
+        # an engine stalled meanwhile): not an error of ours; the caller aborts the request.
+        logger.info("client disconnected before the stream began; aborting %s", prepared.log_name)
+        return response
     num_generated = 0
     cached: dict[int, int] = {}
     finished: set[int] = set()

@@ -243,3 +243,17 @@ def test_bad_settings_are_refused() -> None:
         _policy(block_size=0)
     with pytest.raises(ValueError, match="min_uncached_tokens must be >= 0"):
         _policy(min_uncached_tokens=-1)
+
+
+def test_noise_in_the_load_is_a_tie_but_one_request_is_not() -> None:
+    # An idle engine that still holds two KV blocks (a transfer's, after a stall) must not read
+    # as "most loaded" next to an idle one: that starved it of its half-open trial forever.
+    # One request's worth of load still decides.
+    policy, cache = _policy(prefix_aware=False), ApproxPrefixCache(100)
+    holding = _engine("http://d0:1", load=EngineLoad(0, 0, 2 / 4097))
+    idle = _engine("http://d1:1")
+    chosen = {_route(policy, [holding, idle], list(range(40)), cache)[0] for _ in range(4)}
+    assert chosen == {"http://d0:1", "http://d1:1"}
+    busy = _engine("http://d0:1", load=EngineLoad(0, 1, 0.01))
+    chosen = {_route(policy, [busy, idle], list(range(40)), cache)[0] for _ in range(4)}
+    assert chosen == {"http://d1:1"}
