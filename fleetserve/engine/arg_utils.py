@@ -76,6 +76,10 @@ class EngineArgs:
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
     data_parallel_size: int = _arg(1, "data-parallel ranks of one replica group")
     enable_expert_parallel: bool = _arg(False, "shard MoE experts over data x tensor ranks")
+    distributed_executor_backend: str = _arg(
+        "auto", "workers: uni (in the engine core's process, one rank) or mp (a process per "
+        "rank); auto: uni for one rank, else mp", choices=("auto", "uni", "mp"),
+    )  # fmt: skip
     enable_eplb: bool = _arg(False, "rebalance MoE experts from measured load (EPLB)")
     num_redundant_experts: int = _arg(0, "EPLB: extra expert replicas")
     eplb_window_size: int = _arg(1000, "EPLB: steps of load kept for a rebalance")
@@ -196,6 +200,7 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
+                distributed_executor_backend=self.distributed_executor_backend,
             ),
             device=DeviceConfig(
                 device=device,
@@ -221,7 +226,6 @@ class EngineArgs:
 # NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
 # when the option counts as "asked for". Lift an entry when its issue lands.
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
-    ("tensor_parallel_size", "tensor parallelism (the multi-rank executor)", "issue 16"),
     ("pipeline_parallel_size", "pipeline parallelism (the multi-rank executor)", "issue 16"),
     ("data_parallel_size", "data-parallel ranks", "issue 16"),
     ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
@@ -239,6 +243,12 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value!r} asks for {feature}, which this build does not implement yet "
                 f"({issue}); leave {name} at its default ({getattr(defaults, name)!r})"
             )
+    if args.kv_transfer_config is not None and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={args.tensor_parallel_size} with kv_transfer_config asks for "
+            "KV transfer from several tensor-parallel ranks, which this build does not implement "
+            "yet (issue 16); use tensor_parallel_size 1 on P/D engines"
+        )
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")

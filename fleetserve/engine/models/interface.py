@@ -10,6 +10,7 @@ from torch import nn
 
 from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.forward_context import ForwardContext
+from fleetserve.engine.layers.linear import CheckpointTensor
 
 
 class CausalLM(nn.Module, ABC):
@@ -38,8 +39,9 @@ class CausalLM(nn.Module, ABC):
         """Hidden states [n, hidden_size] → float32 logits [n, vocab_size]."""
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Fill parameters from (checkpoint name, tensor) pairs; returns the names filled."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Fill parameters from (checkpoint name, tensor) pairs; each rank reads only its part
+        of a tensor (`CheckpointTensor.narrow`). Returns the names filled."""
 
     @abstractmethod
     def tie_lm_head(self) -> None:
