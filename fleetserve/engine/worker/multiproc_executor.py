@@ -135,6 +135,10 @@ class MultiprocExecutor(Executor):
         ok, result = replies[self.driver_rank]
         if not ok:
             self._failed_step_calls.add(call_id)
+            # NOTE: a peer's death surfaces first as the driver's failed collective; report the
+            # death (the engine ends), not a step error (which would be retried).
+            time.sleep(POLL_S)
+            self.check_health()
             raise WorkerError(result)
         assert isinstance(result, ModelRunnerOutput)
         return result
