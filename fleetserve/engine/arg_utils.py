@@ -74,6 +74,9 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
+    pipeline_layer_partition: str | None = _arg(
+        None, "decoder layers per pipeline stage, comma-separated, e.g. 3,5 (default: even)"
+    )
     data_parallel_size: int = _arg(1, "data-parallel ranks of one replica group")
     enable_expert_parallel: bool = _arg(False, "shard MoE experts over data x tensor ranks")
     distributed_executor_backend: str = _arg(
@@ -198,6 +201,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                pipeline_layer_partition=_layer_partition(self, hf_config),
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
                 distributed_executor_backend=self.distributed_executor_backend,
@@ -226,7 +230,6 @@ class EngineArgs:
 # NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
 # when the option counts as "asked for". Lift an entry when its issue lands.
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
-    ("pipeline_parallel_size", "pipeline parallelism (the multi-rank executor)", "issue 16"),
     ("data_parallel_size", "data-parallel ranks", "issue 16"),
     ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
     ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
@@ -243,15 +246,32 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value!r} asks for {feature}, which this build does not implement yet "
                 f"({issue}); leave {name} at its default ({getattr(defaults, name)!r})"
             )
-    if args.kv_transfer_config is not None and args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={args.tensor_parallel_size} with kv_transfer_config asks for "
-            "KV transfer from several tensor-parallel ranks, which this build does not implement "
-            "yet (issue 16); use tensor_parallel_size 1 on P/D engines"
-        )
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
+        if args.kv_transfer_config is not None and value > 1:
+            raise ValueError(
+                f"{name}={value} with kv_transfer_config asks for KV transfer from several "
+                "ranks, which this build does not implement yet (issue 16); use 1 on P/D engines"
+            )
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
+
+
+def _layer_partition(args: EngineArgs, hf_config: dict[str, Any]) -> tuple[int, ...] | None:
+    """The parsed partition, checked against the model's layers and the stage count."""
+    from fleetserve.engine.distributed.stages import parse_layer_partition, stage_layer_range
+
+    partition = parse_layer_partition(args.pipeline_layer_partition)
+    num_layers = hf_config.get("num_hidden_layers")
+    if isinstance(num_layers, int):
+        stage_layer_range(num_layers, 0, args.pipeline_parallel_size, partition)
+    elif partition is not None and len(partition) != args.pipeline_parallel_size:
+        raise ValueError(
+            f"pipeline_layer_partition must give {args.pipeline_parallel_size} stage(s), "
+            f"got {list(partition)}"
+        )
+    return partition
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:

@@ -165,6 +165,8 @@ class ParallelConfig:
     """Data-parallel ranks of one replica group (each schedules its own requests)."""
     enable_expert_parallel: bool = False
     """MoE experts sharded over data × tensor ranks instead of tensor-split."""
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    """Decoder layers per pipeline stage (None: even, the remainder to the first stages)."""
     distributed_executor_backend: str = "auto"
     """'uni' (one worker in the engine core's process; one rank only), 'mp' (one worker
     process per rank) or 'auto' ('uni' for one rank, else 'mp'; see `executor_backend`)."""

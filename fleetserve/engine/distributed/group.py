@@ -73,6 +73,15 @@ class GroupCoordinator:
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
         return box[0]
 
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to the group's rank `dst` (index in the group); blocks until taken."""
+        dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
+    def recv(self, buffer: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `buffer` (its shape and dtype must match what is sent) from rank `src`."""
+        dist.recv(buffer, src=self.ranks[src], group=self.device_group)
+        return buffer
+
     def barrier(self) -> None:
         """Wait for every rank of the group (over gloo: the device is not touched)."""
         if self.world_size > 1:

@@ -34,6 +34,11 @@ class LayerContext:
     tp_size: int = 1
     tp_group: GroupCoordinator | None = field(default=None, compare=False)
     """The tensor-parallel group (None with one rank): row-parallel layers sum over it."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    pp_size: int = 1
+    pp_partition: tuple[int, ...] | None = None
+    """Layers per stage (None: an even split; `stage_layer_range`)."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:
@@ -42,8 +47,28 @@ class LayerContext:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
         if self.tp_size > 1 and (self.tp_group is None or self.tp_group.world_size != self.tp_size):
             raise ValueError(f"tp_group must be a group of tp_size ({self.tp_size}) ranks")
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The decoder layers [start, end) this rank's stage holds.
+
+        Raises:
+            ValueError: a partition that does not fit the model (see `stage_layer_range`).
+        """
+        from fleetserve.engine.distributed.stages import stage_layer_range
+
+        return stage_layer_range(num_layers, self.pp_rank, self.pp_size, self.pp_partition)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def use_triton_ops(self) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fleetserve.engine.distributed.pipeline import IntermediateTensors
 from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.forward_context import ForwardContext
 from fleetserve.engine.layers.linear import CheckpointTensor
@@ -26,12 +27,18 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [num_tokens] → hidden states [num_tokens, hidden_size].
 
         `context` carries the step's attention metadata, the KV caches by layer name and the
-        optional per-layer KV hooks.
+        optional per-layer KV hooks. Under pipeline parallelism a later stage starts from the
+        previous stage's `intermediate` (ignoring input_ids), and a stage before the last
+        returns its `IntermediateTensors` instead of hidden states.
         """
 
     @abstractmethod

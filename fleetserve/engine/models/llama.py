@@ -11,6 +11,11 @@ Under tensor parallelism (the context's `tp_size` > 1) each rank holds its share
 (KV heads replicated when there are fewer than ranks), of the MLP's intermediate width and of
 the vocabulary; the all-reduces sit where Megatron puts them: after o_proj, after down_proj and
 after the embedding lookup (`fleetserve.engine.layers.linear`).
+
+Under pipeline parallelism a rank builds only its stage's decoder layers (the others are empty
+placeholders, so that names and layer indices stay global), the embedding on the first stage and
+the final norm and LM head on the last; a stage before the last returns `IntermediateTensors`
+for the next one (`fleetserve.engine.distributed.pipeline`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fleetserve.engine.distributed.pipeline import IntermediateTensors
 from fleetserve.engine.layers.activation import SiluAndMul
 from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.attention.layer import Attention
@@ -161,24 +167,44 @@ class LlamaModel(nn.Module):
         prefix: str = "model",
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, context)
+        self.start_layer, self.end_layer = context.layer_range(arch.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, context)
+            if context.is_first_stage
+            else None
+        )
         # NOTE: one rotary table for all layers (they share the config).
         rotary = RotaryEmbedding(arch.rope, arch.head_size, max_position, context)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 arch, context, rotary, backend_cls, biases=biases, prefix=f"{prefix}.layers.{i}"
             )
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()  # another stage's layer
             for i in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
+        self.norm = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, context) if context.is_last_stage else None
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs its input"
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, context)
+        if self.norm is None:
+            assert residual is not None
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -242,23 +268,35 @@ class LlamaForCausalLM(CausalLM):
             max_position=max_position,
         )
         self.tie_word_embeddings = arch.tie_word_embeddings
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, context)
-        if self.tie_word_embeddings:
+        self.lm_head = (
+            ParallelLMHead(arch.vocab_size, arch.hidden_size, context)
+            if context.is_last_stage
+            else None
+        )
+        if self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.tie_lm_head()
 
     def tie_lm_head(self) -> None:
-        """Share the embedding matrix as the output projection."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding matrix as the output projection (when this stage has both; a
+        last stage without the embedding loads the embedding's checkpoint into its head)."""
+        if self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, context)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [num_tokens, hidden] after the final norm (the last pipeline stage),
+        or this stage's `IntermediateTensors` for the next one."""
+        return self.model(input_ids, positions, context, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab_size] for the selected hidden states [n, hidden] (the full
-        vocabulary on every tensor-parallel rank)."""
+        vocabulary on every tensor-parallel rank; the last pipeline stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
@@ -276,6 +314,16 @@ class LlamaForCausalLM(CausalLM):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if (
+                name == "model.embed_tokens.weight"
+                and self.tie_word_embeddings
+                and self.model.embed_tokens is None
+                and self.lm_head is not None
+            ):
+                # A last pipeline stage without the embedding: its head is the tied table.
+                self.lm_head.load_weight(self.lm_head.weight, tensor, name)
+                loaded.add("lm_head.weight")
                 continue
             for ckpt_part, fused_part, shard in stacked:
                 if f".{ckpt_part}." not in name:

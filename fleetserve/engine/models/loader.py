@@ -101,10 +101,10 @@ def iterate_weights(
 
 
 def build_layer_context(
-    config: EngineConfig, *, tp_group: GroupCoordinator | None = None
+    config: EngineConfig, *, tp_group: GroupCoordinator | None = None, pp_rank: int = 0
 ) -> LayerContext:
-    """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice, and its
-    tensor-parallel group (None: a single rank).
+    """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice, its
+    tensor-parallel group (None: a single rank) and its pipeline stage.
 
     Raises:
         ValueError: an unknown dtype, or triton custom ops on the CPU outside Triton's
@@ -124,6 +124,9 @@ def build_layer_context(
         tp_rank=0 if tp_group is None else tp_group.rank_in_group,
         tp_size=1 if tp_group is None else tp_group.world_size,
         tp_group=tp_group,
+        pp_rank=pp_rank,
+        pp_size=config.parallel.pipeline_parallel_size,
+        pp_partition=config.parallel.pipeline_layer_partition,
     )
 
 

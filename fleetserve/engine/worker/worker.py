@@ -30,7 +30,9 @@ import torch
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-from fleetserve.engine.distributed.parallel_state import ParallelState
+from fleetserve.engine.distributed.parallel_state import ParallelState, layout_of
+from fleetserve.engine.distributed.pipeline import PipelineStage
+from fleetserve.engine.distributed.stages import stage_layer_range
 from fleetserve.engine.layers.attention.base import CudaGraphSupport
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import num_kv_heads_per_rank
@@ -76,6 +78,8 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.parallel_state: ParallelState | None = None
         """This rank's process groups (None with one rank)."""
+        self.pp_rank = layout_of(config.parallel).group_of("pipeline", rank).index(rank)
+        """This rank's pipeline stage (from the rank layout, before any group exists)."""
         self.arch = ModelArch.from_hf_config(config.model.hf_config)
         """The typed architecture, read once for this rank's model and runner."""
         self.dtype = torch_dtype(config.model.dtype)
@@ -116,8 +120,17 @@ class Worker:
             )  # fmt: skip
             if parallel.tensor_parallel_size > 1:
                 tp_group = self.parallel_state.tensor
-        self.layer_context = build_layer_context(self.config, tp_group=tp_group)
+        pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
+        self.layer_context = build_layer_context(
+            self.config,
+            tp_group=tp_group,
+            pp_rank=self.pp_rank,
+        )
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
+        if pp_group is not None and pp_group.world_size > 1:
+            self._runner.pipeline = PipelineStage(
+                pp_group, self.arch.hidden_size, self.dtype, self.device
+            )
         if self.config.kv_transfer is not None:
             from fleetserve.engine.kv_transfer.factory import create_worker_role
 
@@ -132,7 +145,19 @@ class Worker:
         arch = self.arch
         kv_size = self._num_kv_heads * arch.head_size
         per_layer = 2 * self.config.cache.block_size * kv_size * element_bytes
-        return per_layer * arch.num_hidden_layers
+        return per_layer * self._num_layers
+
+    @property
+    def _num_layers(self) -> int:
+        """Decoder layers this rank's pipeline stage holds (and caches KV for)."""
+        parallel = self.config.parallel
+        start, end = stage_layer_range(
+            self.arch.num_hidden_layers,
+            self.pp_rank,
+            parallel.pipeline_parallel_size,
+            parallel.pipeline_layer_partition,
+        )
+        return end - start
 
     @property
     def _num_kv_heads(self) -> int:
@@ -193,12 +218,12 @@ class Worker:
             # a socket round trip (the tcp transport's fast path); the tensors are zeroed.
             from fleetserve.engine.kv_transfer.transport import SharedKVArena
 
-            self._kv_arena = SharedKVArena.create([shape] * arch.num_hidden_layers, self.dtype)
+            self._kv_arena = SharedKVArena.create([shape] * self._num_layers, self.dtype)
             kv_caches = list(self._kv_arena.tensors)
         else:
             kv_caches = [
                 torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(arch.num_hidden_layers)
+                for _ in range(self._num_layers)
             ]
         self.model_runner.bind_kv_caches(kv_caches)
         if connector is not None:
