@@ -79,6 +79,10 @@ class EngineArgs:
     )
     data_parallel_size: int = _arg(1, "data-parallel ranks of one replica group")
     enable_expert_parallel: bool = _arg(False, "shard MoE experts over data x tensor ranks")
+    disable_custom_all_reduce: bool = _arg(
+        False,
+        "every all-reduce through gloo/NCCL (not the shared-memory one for small CPU tensors)",
+    )
     distributed_executor_backend: str = _arg(
         "auto", "workers: uni (in the engine core's process, one rank) or mp (a process per "
         "rank); auto: uni for one rank, else mp", choices=("auto", "uni", "mp"),
@@ -204,6 +208,7 @@ class EngineArgs:
                 pipeline_layer_partition=_layer_partition(self, hf_config),
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
+                disable_custom_all_reduce=self.disable_custom_all_reduce,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             device=DeviceConfig(

@@ -167,6 +167,9 @@ class ParallelConfig:
     """MoE experts sharded over data × tensor ranks instead of tensor-split."""
     pipeline_layer_partition: tuple[int, ...] | None = None
     """Decoder layers per pipeline stage (None: even, the remainder to the first stages)."""
+    disable_custom_all_reduce: bool = False
+    """Use gloo (or NCCL) for every all-reduce, not the CPU's shared-memory one for small
+    tensors."""
     distributed_executor_backend: str = "auto"
     """'uni' (one worker in the engine core's process; one rank only), 'mp' (one worker
     process per rank) or 'auto' ('uni' for one rank, else 'mp'; see `executor_backend`)."""

@@ -9,10 +9,13 @@ collective on it returns its input unchanged, without a call into torch.distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from fleetserve.engine.distributed.shm_allreduce import ShmAllReduce
 
 __all__ = ["GroupCoordinator"]
 
@@ -29,6 +32,9 @@ class GroupCoordinator:
     """torch.distributed group for tensors (None for a group of one)."""
     cpu_group: Any = None
     """gloo group for objects and barriers (None for a group of one)."""
+    shm: ShmAllReduce | None = None
+    """The shared-memory all-reduce for small CPU tensors (None: every all-reduce is gloo's or
+    NCCL's)."""
 
     def __post_init__(self) -> None:
         if self.rank not in self.ranks:
@@ -54,6 +60,8 @@ class GroupCoordinator:
         """Sum `tensor` over the group in place; returns it (unchanged for a group of one)."""
         if self.world_size == 1:
             return tensor
+        if self.shm is not None and self.shm.accepts(tensor):
+            return self.shm.all_reduce(tensor)
         dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
@@ -94,3 +102,4 @@ class GroupCoordinator:
                 dist.destroy_process_group(group)
         self.device_group = None
         self.cpu_group = None
+        self.shm = None

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fleetserve.api.topology import RankLayout, rank_layout
 from fleetserve.engine.config import ParallelConfig
 from fleetserve.engine.distributed.group import GroupCoordinator
+from fleetserve.engine.distributed.shm_allreduce import ShmAllReduce
 
 __all__ = ["ParallelState", "device_backend", "layout_of"]
 
@@ -66,6 +67,7 @@ class ParallelState:
         init_method: str,
         device: torch.device,
         timeout_s: float = 60.0,
+        custom_all_reduce: bool = True,
     ) -> ParallelState:
         """Join the engine's default group and create every group on this rank.
 
@@ -75,6 +77,8 @@ class ParallelState:
             init_method: torch.distributed rendezvous, e.g. 'tcp://127.0.0.1:29500'.
             device: this rank's device (chooses the tensor backend).
             timeout_s: bound on the rendezvous and on every collective.
+            custom_all_reduce: on the CPU, give the tensor-parallel group the shared-memory
+                all-reduce for small tensors (`ShmAllReduce`; used when every rank can).
 
         Raises:
             ValueError: a rank outside the world.
@@ -120,11 +124,16 @@ class ParallelState:
             assert mine is not None, f"rank {rank} is in no group of {groups}"
             return mine
 
+        tensor = groups_of(layout.tensor)
+        if custom_all_reduce and device.type == "cpu" and tensor.world_size > 1:
+            tensor.shm = ShmAllReduce.create(
+                tensor.cpu_group, tensor.rank_in_group, tensor.world_size, timeout_s=timeout_s
+            )
         state = cls(
             rank=rank,
             layout=layout,
             world=world,
-            tensor=groups_of(layout.tensor),
+            tensor=tensor,
             pipeline=groups_of(layout.pipeline),
             data=groups_of(layout.data),
             expert=groups_of(layout.expert) if parallel.enable_expert_parallel else None,

@@ -116,7 +116,7 @@ class Worker:
             assert self.distributed_init_method is not None
             self.parallel_state = ParallelState.create(
                 parallel, rank=self.rank, init_method=self.distributed_init_method,
-                device=self.device,
+                device=self.device, custom_all_reduce=not parallel.disable_custom_all_reduce,
             )  # fmt: skip
             if parallel.tensor_parallel_size > 1:
                 tp_group = self.parallel_state.tensor

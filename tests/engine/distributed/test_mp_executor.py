@@ -118,6 +118,7 @@ def test_workers_exit_when_the_engine_core_is_killed(tiny_llama_dir: Path) -> No
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         parent.kill()
         parent.wait()
-        assert _exited_within(pids, 5.0), "worker processes outlived their engine core"
+        # NOTE: a worker polls its parent every second; 10 s leaves room for a loaded machine.
+    assert _exited_within(pids, 10.0), "worker processes outlived their engine core"
     finally:
         parent.kill()
