@@ -119,6 +119,6 @@ def test_workers_exit_when_the_engine_core_is_killed(tiny_llama_dir: Path) -> No
         parent.kill()
         parent.wait()
         # NOTE: a worker polls its parent every second; 10 s leaves room for a loaded machine.
-    assert _exited_within(pids, 10.0), "worker processes outlived their engine core"
+        assert _exited_within(pids, 10.0), "worker processes outlived their engine core"
     finally:
         parent.kill()
