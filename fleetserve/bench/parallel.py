@@ -5,7 +5,10 @@ executor (`uni`) and with worker processes (`mp`: the step pickled once and sent
 over local ZMQ, the driver's result back), at tensor-parallel sizes 1 and 2, so the mp column
 minus the uni column is the executor's per-step overhead. The model is the shape `--shape` of
 `fleetserve bench decode` with seeded random weights (`load_format="dummy"`), on the CPU by
-default; the second table times a bare all-reduce of decode-sized tensors over gloo.
+default; the second table times a bare all-reduce of decode-sized tensors over gloo and over
+the shared-memory communicator. With `--throughput-tp 1,3` a third table gives the output
+tokens/s of a fixed greedy workload on a real model (default: the bundled SmolLM2) at each
+tensor-parallel size, TP 1 (the in-process executor) being the baseline.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allreduce-iters", type=int, default=500, help="all-reduces timed per size (0: skip)"
     )
+    parser.add_argument(
+        "--throughput-tp", default="", help="tensor-parallel sizes for the throughput table, "
+        "e.g. 1,3 (default: no table; SmolLM2's 9 heads allow 1, 3 and 9)",
+    )  # fmt: skip
+    parser.add_argument("--model", default=None, help="throughput model (default: bundled)")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
 
 
 def step_time_us(
@@ -62,6 +73,33 @@ def step_time_us(
         return statistics.median(times) * 1e6
     finally:
         core.shutdown()
+
+
+def throughput_tokens_s(args: argparse.Namespace, tp: int) -> float:
+    """Output tokens/s of `num_prompts` random prompts, greedy, EOS ignored, through `LLM`."""
+    import random
+
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype="float32", device=args.device, tensor_parallel_size=tp,
+        max_model_len=args.input_len + args.output_len + 8, max_num_seqs=args.num_prompts,
+    )  # fmt: skip
+    try:
+        rng = random.Random(0)
+        vocab = llm.config.model.vocab_size
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
+            for _ in range(args.num_prompts)
+        ]
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    finally:
+        llm.engine_core.shutdown()
 
 
 def _free_port() -> int:
@@ -145,4 +183,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             gloo_us, shm_us = timings[size]
             shm_text = "n/a" if shm_us is None else f"{shm_us:.1f}"
             print(f"{size // hidden:>6}{size * 4:>10}{gloo_us:>10.1f}{shm_text:>10}")
+    sizes_tp = [int(t) for t in args.throughput_tp.split(",") if t]
+    if sizes_tp:
+        rates = [(tp, throughput_tokens_s(args, tp)) for tp in sizes_tp]
+        print(f"\nthroughput, {args.num_prompts} prompts × {args.input_len} in / "
+              f"{args.output_len} out, greedy (output tokens/s)")  # fmt: skip
+        print(f"{'TP':>4}{'tok/s':>10}{'vs first':>10}")
+        for tp, rate in rates:
+            print(f"{tp:>4}{rate:>10.1f}{rate / rates[0][1]:>10.2f}")
     return 0

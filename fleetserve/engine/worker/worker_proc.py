@@ -21,6 +21,7 @@ import pickle
 import traceback
 from typing import Any
 
+import torch
 import zmq
 
 from fleetserve.engine.worker.worker import Worker
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     with open(args.config, "rb") as f:
         config = pickle.load(f)
+    if config.device.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # NOTE: every rank of this host would otherwise start one thread per core.
+        ranks_here = config.parallel.world_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
     ctx = zmq.Context()
     requests = ctx.socket(zmq.PULL)
     requests.connect(args.requests)
