@@ -13,7 +13,8 @@ Lifecycle (ARCHITECTURE.md §1):
    adds it has processed.
 4. `ShutdownMessage`, the parent's death, a crash in `step()` or a failed `check_health()` (a
    worker process died; checked every iteration, at least every `IDLE_POLL_MS` while idle) ends
-   the loop; the API server notices the dead process (its /health fails and in-flight requests end with an error).
+   the loop; the API server notices the dead process (its /health fails and in-flight requests
+   end with an error).
 
 One request's bad add never ends the loop: a `ValueError` rejects it (`rejected`), any other
 exception, or a message that does not decode but names its request, fails it (an output with
