@@ -10,7 +10,7 @@ import pytest
 
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.worker.multiproc_executor import MultiprocExecutor
-from tests.engine.tiny_models import hf_greedy, make_prompts
+from tests.engine.tiny_models import hf_greedy, make_prompts, make_tiny_model
 
 MAX_TOKENS = 10
 LENGTHS = [5, 17, 33, 8, 40, 21]
@@ -55,6 +55,28 @@ def test_tp2_equals_tp1_and_transformers(
         assert (
             llm.engine_core.executor.collective_rpc("get_kv_cache_block_bytes")
             == [2 * 2 * 8 * 1 * 32 * 4] * 2
+        )
+    finally:
+        llm.engine_core.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_tp4_replicates_kv_heads_and_pads_the_vocabulary(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Four ranks for two KV heads (each KV head cached by two ranks) and a vocabulary of 510
+    (128 rows per rank, the last rank's two tail rows padding): still TP=1's tokens."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tp4"), "llama", vocab_size=510)
+    prompts = make_prompts(510, LENGTHS[:4], seed=5)
+    single = LLM(str(model_dir), **SETTINGS)
+    expected = _generate(single, prompts)
+    single.engine_core.shutdown()
+    llm = LLM(str(model_dir), tensor_parallel_size=4, **SETTINGS)
+    try:
+        assert _generate(llm, prompts) == expected
+        # One KV head per rank: the same block bytes as TP=2, so the same block count.
+        assert llm.engine_core.executor.collective_rpc("get_kv_cache_block_bytes") == (
+            [2 * 2 * 8 * 1 * 32 * 4] * 4
         )
     finally:
         llm.engine_core.shutdown()
