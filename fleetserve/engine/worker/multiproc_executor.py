@@ -189,6 +189,9 @@ class MultiprocExecutor(Executor):
             ExecutorDeadError: a worker died, the bound passed, or a rank failed a step alone.
         """
         replies: dict[int, tuple[bool, Any]] = {}
+        others: dict[int, str] = {}
+        """Failures of this call by ranks that reply only on failure (fine if the driver
+        failed too: every rank ran the same step into the same error)."""
         deadline = time.monotonic() + timeout_s
         while len(replies) < len(ranks):
             if not self._results.poll(int(POLL_S * 1000)):
@@ -199,14 +202,23 @@ class MultiprocExecutor(Executor):
                     self.check_health()
                 continue
             rank, reply_id, ok, result = pickle.loads(self._results.recv())
-            if reply_id == call_id and rank in ranks:
-                replies[rank] = (ok, result)
+            if reply_id == call_id:
+                if rank in ranks:
+                    replies[rank] = (ok, result)
+                elif not ok:
+                    others[rank] = result
             elif not ok and reply_id not in self._failed_step_calls:
-                # NOTE: a non-driver rank failed a step its driver passed: the ranks' states
-                # (persistent batch, KV) no longer agree, and no retry can mend that.
-                self._die(f"worker rank {rank} failed a step alone: {result}")
-                self.check_health()
+                self._diverged(rank, result)
+        if others and all(ok for ok, _ in replies.values()):
+            rank = min(others)
+            self._diverged(rank, others[rank])
         return replies
+
+    def _diverged(self, rank: int, error: str) -> None:
+        # NOTE: a non-driver rank failed a step its driver passed: the ranks' states
+        # (persistent batch, KV) no longer agree, and no retry can mend that.
+        self._die(f"worker rank {rank} failed a step alone: {error}")
+        self.check_health()
 
     def _die(self, reason: str) -> None:
         if self._dead_reason is not None:

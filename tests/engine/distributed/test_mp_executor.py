@@ -16,6 +16,7 @@ import pytest
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.engine_core import EngineCore
+from fleetserve.engine.core.outputs import CachedRequestData, SchedulerOutput
 from fleetserve.engine.worker.executor import ExecutorDeadError
 from fleetserve.engine.worker.multiproc_executor import MultiprocExecutor, WorkerError
 
@@ -72,6 +73,20 @@ def test_worker_errors_name_their_rank_and_a_dead_worker_ends_the_engine(
     with pytest.raises(ValueError, match="collective_rpc method must be a public Worker"):
         executor.collective_rpc("_activation_bytes")
     assert executor.collective_rpc("get_kv_cache_block_bytes") == [2 * 2 * 4 * 1 * 32 * 4] * 2
+    # A step every rank fails alike (a request no runner holds) is a step error, not a death:
+    # the engine's step isolation may retry; the executor goes on serving.
+    ghost = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(["ghost"], [[]], [[]], [0]),
+        num_scheduled_tokens={"ghost": 1},
+        total_num_scheduled_tokens=1,
+        finished_req_ids=set(),
+    )
+    for _ in range(2):
+        with pytest.raises(WorkerError, match="KeyError"):
+            executor.execute_model(ghost)
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0, set())
+    assert executor.execute_model(empty).req_ids == []
     core.check_health()
     # Idle: no step runs, yet the health check notices the death within seconds.
     pids = executor.worker_pids
