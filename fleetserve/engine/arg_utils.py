@@ -74,8 +74,19 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
+    pipeline_layer_partition: str | None = _arg(
+        None, "decoder layers per pipeline stage, comma-separated, e.g. 3,5 (default: even)"
+    )
     data_parallel_size: int = _arg(1, "data-parallel ranks of one replica group")
     enable_expert_parallel: bool = _arg(False, "shard MoE experts over data x tensor ranks")
+    disable_custom_all_reduce: bool = _arg(
+        False,
+        "every all-reduce through gloo/NCCL (not the shared-memory one for small CPU tensors)",
+    )
+    distributed_executor_backend: str = _arg(
+        "auto", "workers: uni (in the engine core's process, one rank) or mp (a process per "
+        "rank); auto: uni for one rank, else mp", choices=("auto", "uni", "mp"),
+    )  # fmt: skip
     enable_eplb: bool = _arg(False, "rebalance MoE experts from measured load (EPLB)")
     num_redundant_experts: int = _arg(0, "EPLB: extra expert replicas")
     eplb_window_size: int = _arg(1000, "EPLB: steps of load kept for a rebalance")
@@ -194,8 +205,11 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                pipeline_layer_partition=_layer_partition(self, hf_config),
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
+                disable_custom_all_reduce=self.disable_custom_all_reduce,
+                distributed_executor_backend=self.distributed_executor_backend,
             ),
             device=DeviceConfig(
                 device=device,
@@ -221,8 +235,6 @@ class EngineArgs:
 # NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
 # when the option counts as "asked for". Lift an entry when its issue lands.
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
-    ("tensor_parallel_size", "tensor parallelism (the multi-rank executor)", "issue 16"),
-    ("pipeline_parallel_size", "pipeline parallelism (the multi-rank executor)", "issue 16"),
     ("data_parallel_size", "data-parallel ranks", "issue 16"),
     ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
     ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
@@ -239,9 +251,32 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value!r} asks for {feature}, which this build does not implement yet "
                 f"({issue}); leave {name} at its default ({getattr(defaults, name)!r})"
             )
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
+        if args.kv_transfer_config is not None and value > 1:
+            raise ValueError(
+                f"{name}={value} with kv_transfer_config asks for KV transfer from several "
+                "ranks, which this build does not implement yet (issue 16); use 1 on P/D engines"
+            )
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
+
+
+def _layer_partition(args: EngineArgs, hf_config: dict[str, Any]) -> tuple[int, ...] | None:
+    """The parsed partition, checked against the model's layers and the stage count."""
+    from fleetserve.engine.distributed.stages import parse_layer_partition, stage_layer_range
+
+    partition = parse_layer_partition(args.pipeline_layer_partition)
+    num_layers = hf_config.get("num_hidden_layers")
+    if isinstance(num_layers, int):
+        stage_layer_range(num_layers, 0, args.pipeline_parallel_size, partition)
+    elif partition is not None and len(partition) != args.pipeline_parallel_size:
+        raise ValueError(
+            f"pipeline_layer_partition must give {args.pipeline_parallel_size} stage(s), "
+            f"got {list(partition)}"
+        )
+    return partition
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:

@@ -22,6 +22,7 @@ _POLICIES: tuple[str, ...] = ("fcfs", "priority")
 _CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
 _LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")
 _EPLB_POLICIES: tuple[str, ...] = ("global", "hierarchical")
+_EXECUTOR_BACKENDS: tuple[str, ...] = ("auto", "uni", "mp")
 _KV_TRANSFER_CHOICES: dict[str, tuple[str, ...]] = {
     "connector": ("tcp", "mooncake"),
     "role": ("producer", "consumer", "both"),
@@ -164,10 +165,38 @@ class ParallelConfig:
     """Data-parallel ranks of one replica group (each schedules its own requests)."""
     enable_expert_parallel: bool = False
     """MoE experts sharded over data × tensor ranks instead of tensor-split."""
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    """Decoder layers per pipeline stage (None: even, the remainder to the first stages)."""
+    disable_custom_all_reduce: bool = False
+    """Use gloo (or NCCL) for every all-reduce, not the CPU's shared-memory one for small
+    tensors."""
+    distributed_executor_backend: str = "auto"
+    """'uni' (one worker in the engine core's process; one rank only), 'mp' (one worker
+    process per rank) or 'auto' ('uni' for one rank, else 'mp'; see `executor_backend`)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        _require(
+            self.distributed_executor_backend in _EXECUTOR_BACKENDS,
+            "distributed_executor_backend",
+            f"one of {_EXECUTOR_BACKENDS}",
+            self.distributed_executor_backend,
+        )
+        if self.distributed_executor_backend == "uni":
+            _require(
+                self.world_size == 1,
+                "distributed_executor_backend",
+                f"'mp' or 'auto' for {self.world_size} ranks (tensor × pipeline; 'uni' runs one)",
+                self.distributed_executor_backend,
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor that runs the workers: 'uni' or 'mp' ('auto' resolved by world size)."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
     @property
     def world_size(self) -> int:

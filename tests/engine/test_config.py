@@ -80,8 +80,6 @@ def test_chunked_prefill_off_needs_room_for_a_whole_prompt() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_size": 2}, "data_parallel_size"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
         ({"enable_eplb": True}, "enable_eplb"),
@@ -92,6 +90,28 @@ def test_unimplemented_options_are_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=rf"^{name}=.*does not implement yet \(issue 1\d\)"):
         EngineArgs(model=str(model_dir), device="cpu", **kwargs).create_engine_config()
+
+
+def test_tensor_parallel_kv_transfer_is_refused(model_dir: Path) -> None:
+    kv = {"connector": "tcp", "role": "producer"}
+    args = EngineArgs(
+        model=str(model_dir), device="cpu", tensor_parallel_size=2, kv_transfer_config=kv
+    )
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with kv_transfer_config"):
+        args.create_engine_config()
+    args = EngineArgs(
+        model=str(model_dir), device="cpu", pipeline_parallel_size=2, kv_transfer_config=kv
+    )
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2 with kv_transfer_config"):
+        args.create_engine_config()
+
+
+def test_pipeline_layer_partition_must_fit_the_model(model_dir: Path) -> None:
+    args = EngineArgs(
+        model=str(model_dir), device="cpu", pipeline_parallel_size=2, pipeline_layer_partition="1"
+    )
+    with pytest.raises(ValueError, match="pipeline_layer_partition must give 2 stage"):
+        args.create_engine_config()
 
 
 def test_eplb_settings_need_eplb(model_dir: Path) -> None:

@@ -69,9 +69,9 @@ def test_groups_follow_the_grid_formula(tp: int, pp: int, dp: int) -> None:
 
 
 def test_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="world_size must equal"):
+    with pytest.raises(ValueError, match="world_size must be a multiple"):
         rank_layout(6, tensor=4)
-    with pytest.raises(ValueError, match="world_size must equal"):
+    with pytest.raises(ValueError, match="world_size must be a multiple"):
         rank_layout(4, tensor=2, pipeline=2, data=2)
     with pytest.raises(ValueError, match="tensor must be >= 1"):
         rank_layout(1, tensor=0)
@@ -92,3 +92,20 @@ def test_world_and_group_size_count_data() -> None:
         group_size(tensor=1, pipeline=1, data=1, gpus_per_pod=-1)
     with pytest.raises(ValueError, match="data must be >= 1"):
         world_size(tensor=1, pipeline=1, data=0)
+
+
+def test_external_data_parallel_copies_the_grid() -> None:
+    """A world larger than DP × PP × TP holds independent copies of the grid (ExternalDP, the
+    leading -1 of the seed's reshape), each with its own groups."""
+    layout = rank_layout(8, tensor=2, pipeline=2)
+    assert layout.tensor == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.pipeline == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.data == [[r] for r in range(8)]
+    moe = rank_layout(8, tensor=2, data=2, expert=True)
+    assert moe.data == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert moe.expert == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert moe.group_of("expert", 6) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        moe.group_of("context", 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 8\)"):
+        moe.group_of("tensor", 8)

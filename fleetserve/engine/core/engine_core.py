@@ -23,7 +23,7 @@ from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.core.step_isolation import is_unrecoverable
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.worker.executor import Executor
+from fleetserve.engine.worker.executor import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class EngineCore:
             else:
                 runner_output = self.executor.execute_model(scheduler_output)
         except Exception as error:
-            if is_unrecoverable(error):
+            if is_unrecoverable(error) or isinstance(error, ExecutorDeadError):
                 raise
             logger.exception(
                 "a step of %d request(s) failed; isolating them: %s",
@@ -169,6 +169,11 @@ class EngineCore:
             # new requests and leases are still served) instead of spinning.
             self.executor.collective_rpc("wait_for_kv_progress", _TRANSFER_POLL_S)
         return outputs
+
+    def check_health(self) -> None:
+        """Raises `ExecutorDeadError` when a worker is gone (cheap; the loop calls it between
+        steps, so a dead worker ends an idle engine too)."""
+        self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
         """Live requests, or KV transfers still in flight (the loop must keep polling)."""

@@ -11,8 +11,10 @@ Lifecycle (ARCHITECTURE.md §1):
    blocking poll when idle), run one `step()`, and send the step's outputs together with the
    scheduler's stats, the first-scheduled times of requests that started running and how many
    adds it has processed.
-4. `ShutdownMessage`, the parent's death or a crash in `step()` ends the loop; the API server
-   notices the dead process (its /health fails and in-flight requests end with an error).
+4. `ShutdownMessage`, the parent's death, a crash in `step()` or a failed `check_health()` (a
+   worker process died; checked every iteration, at least every `IDLE_POLL_MS` while idle) ends
+   the loop; the API server notices the dead process (its /health fails and in-flight requests
+   end with an error).
 
 One request's bad add never ends the loop: a `ValueError` rejects it (`rejected`), any other
 exception, or a message that does not decode but names its request, fails it (an output with
@@ -191,6 +193,10 @@ class LoopCore(Protocol):
         """
         ...
 
+    def check_health(self) -> None:
+        """Cheap; raises when the engine cannot go on (a worker died), which ends the loop."""
+        ...
+
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: live requests or KV transfers in flight. While true, the
         loop steps without waiting for inputs; while false, it blocks on its input socket."""
@@ -260,6 +266,7 @@ class _EngineLoop:
             # NOTE: checked every iteration (a cheap syscall), also while busy: with the API
             # server gone, sends would pile up and finally block, leaving an orphan process.
             self._check_parent()
+            self.core.check_health()
             if self.core.has_unfinished_requests() or self.needs_step:
                 self._step()
             elif self.stats_dirty or self.rejected or self.failed_adds:

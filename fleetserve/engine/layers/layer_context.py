@@ -1,16 +1,20 @@
 """`LayerContext`: the construction-time settings every layer shares, passed down once.
 
 A model builds all its layers from one `(ModelArch, LayerContext)` pair instead of threading
-`dtype, device, use_triton` through each constructor. The tensor-parallel rank and size are here
-so that parallel linear layers can take their shard from it when they land (single rank today:
-0 of 1); MoE's expert-parallel rank will join them.
+`dtype, device, use_triton` through each constructor. The tensor-parallel rank, size and group
+are here so that parallel layers take their shard (and their all-reduce) from it; MoE's
+expert-parallel rank will join them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from fleetserve.engine.distributed.group import GroupCoordinator
 
 CUSTOM_OPS: tuple[str, ...] = ("torch", "triton")
 
@@ -28,6 +32,13 @@ class LayerContext:
     `fleetserve.kernels` ('triton')."""
     tp_rank: int = 0
     tp_size: int = 1
+    tp_group: GroupCoordinator | None = field(default=None, compare=False)
+    """The tensor-parallel group (None with one rank): row-parallel layers sum over it."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    pp_size: int = 1
+    pp_partition: tuple[int, ...] | None = None
+    """Layers per stage (None: an even split; `stage_layer_range`)."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:
@@ -36,6 +47,28 @@ class LayerContext:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
+        if self.tp_size > 1 and (self.tp_group is None or self.tp_group.world_size != self.tp_size):
+            raise ValueError(f"tp_group must be a group of tp_size ({self.tp_size}) ranks")
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The decoder layers [start, end) this rank's stage holds.
+
+        Raises:
+            ValueError: a partition that does not fit the model (see `stage_layer_range`).
+        """
+        from fleetserve.engine.distributed.stages import stage_layer_range
+
+        return stage_layer_range(num_layers, self.pp_rank, self.pp_size, self.pp_partition)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def use_triton_ops(self) -> bool:

@@ -8,8 +8,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fleetserve.engine.distributed.pipeline import IntermediateTensors
 from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.forward_context import ForwardContext
+from fleetserve.engine.layers.linear import CheckpointTensor
 
 
 class CausalLM(nn.Module, ABC):
@@ -25,12 +27,18 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [num_tokens] → hidden states [num_tokens, hidden_size].
 
         `context` carries the step's attention metadata, the KV caches by layer name and the
-        optional per-layer KV hooks.
+        optional per-layer KV hooks. Under pipeline parallelism a later stage starts from the
+        previous stage's `intermediate` (ignoring input_ids), and a stage before the last
+        returns its `IntermediateTensors` instead of hidden states.
         """
 
     @abstractmethod
@@ -38,8 +46,9 @@ class CausalLM(nn.Module, ABC):
         """Hidden states [n, hidden_size] → float32 logits [n, vocab_size]."""
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Fill parameters from (checkpoint name, tensor) pairs; returns the names filled."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Fill parameters from (checkpoint name, tensor) pairs; each rank reads only its part
+        of a tensor (`CheckpointTensor.narrow`). Returns the names filled."""
 
     @abstractmethod
     def tie_lm_head(self) -> None:

@@ -6,6 +6,16 @@ mapping is `stacked_params_mapping`). Every module is built from one `ModelArch`
 declares) and one `LayerContext` (dtype, device, custom ops, parallel ranks). All tensors are
 token-major and unpadded: [num_tokens, ...], one flat batch per step; the step's attention
 metadata and KV caches arrive in the `ForwardContext`.
+
+Under tensor parallelism (the context's `tp_size` > 1) each rank holds its share of the heads
+(KV heads replicated when there are fewer than ranks), of the MLP's intermediate width and of
+the vocabulary; the all-reduces sit where Megatron puts them: after o_proj, after down_proj and
+after the embedding lookup (`fleetserve.engine.layers.linear`).
+
+Under pipeline parallelism a rank builds only its stage's decoder layers (the others are empty
+placeholders, so that names and layer indices stay global), the embedding on the first stage and
+the final norm and LM head on the last; a stage before the last returns `IntermediateTensors`
+for the next one (`fleetserve.engine.distributed.pipeline`).
 """
 
 from __future__ import annotations
@@ -15,14 +25,25 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fleetserve.engine.distributed.pipeline import IntermediateTensors
 from fleetserve.engine.layers.activation import SiluAndMul
 from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.attention.layer import Attention
 from fleetserve.engine.layers.forward_context import ForwardContext
 from fleetserve.engine.layers.layer_context import LayerContext
-from fleetserve.engine.layers.linear import Embedding, Linear, MergedLinear
+from fleetserve.engine.layers.linear import (
+    CheckpointTensor,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+    qkv_slices,
+)
 from fleetserve.engine.layers.norm import RMSNorm
 from fleetserve.engine.layers.rotary import RotaryEmbedding
+from fleetserve.engine.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 
@@ -40,15 +61,19 @@ class LlamaAttention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
-        self.head_size = arch.head_size
-        self.q_size = arch.q_size
-        self.kv_size = arch.kv_size
-        self.qkv_proj = MergedLinear(
-            arch.hidden_size, [self.q_size, self.kv_size, self.kv_size], context, bias=qkv_bias
+        slices = qkv_slices(
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_size,
+            context.tp_rank,
+            context.tp_size,
         )
-        self.o_proj = Linear(self.q_size, arch.hidden_size, context, bias=o_bias)
+        self.head_size = arch.head_size
+        self.q_size, self.kv_size = slices[0].size, slices[1].size
+        self.num_heads = self.q_size // self.head_size
+        self.num_kv_heads = self.kv_size // self.head_size
+        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, list(slices), context, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, context, bias=o_bias)
         self.rotary = rotary
         self.attn = Attention(
             self.num_heads,
@@ -77,8 +102,10 @@ class LlamaMLP(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {arch.hidden_act!r}")
         hidden, intermediate = arch.hidden_size, arch.intermediate_size
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], context, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, context, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear.merged(
+            hidden, [intermediate, intermediate], context, bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate, hidden, context, bias=bias)
         self.act_fn = SiluAndMul(context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,24 +167,44 @@ class LlamaModel(nn.Module):
         prefix: str = "model",
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, context)
+        self.start_layer, self.end_layer = context.layer_range(arch.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, context)
+            if context.is_first_stage
+            else None
+        )
         # NOTE: one rotary table for all layers (they share the config).
         rotary = RotaryEmbedding(arch.rope, arch.head_size, max_position, context)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 arch, context, rotary, backend_cls, biases=biases, prefix=f"{prefix}.layers.{i}"
             )
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()  # another stage's layer
             for i in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
+        self.norm = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, context) if context.is_last_stage else None
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs its input"
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, context)
+        if self.norm is None:
+            assert residual is not None
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -221,26 +268,41 @@ class LlamaForCausalLM(CausalLM):
             max_position=max_position,
         )
         self.tie_word_embeddings = arch.tie_word_embeddings
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, context, bias=False)
-        if self.tie_word_embeddings:
+        self.lm_head = (
+            ParallelLMHead(arch.vocab_size, arch.hidden_size, context)
+            if context.is_last_stage
+            else None
+        )
+        if self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.tie_lm_head()
 
     def tie_lm_head(self) -> None:
-        """Share the embedding matrix as the output projection."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding matrix as the output projection (when this stage has both; a
+        last stage without the embedding loads the embedding's checkpoint into its head)."""
+        if self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, context)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [num_tokens, hidden] after the final norm (the last pipeline stage),
+        or this stage's `IntermediateTensors` for the next one."""
+        return self.model(input_ids, positions, context, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [n, vocab_size] for the selected hidden states [n, hidden]."""
-        return self.lm_head(hidden_states).float()
+        """Float32 logits [n, vocab_size] for the selected hidden states [n, hidden] (the full
+        vocabulary on every tensor-parallel rank; the last pipeline stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters; returns the names of the parameters filled.
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Copy this rank's part of each checkpoint tensor into the parameters (each owning
+        module's `load_weight` reads only the rows or columns it keeps); returns the names of
+        the parameters filled.
 
         Raises:
             ValueError: a tensor's shape does not match its parameter.
@@ -253,6 +315,16 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if (
+                name == "model.embed_tokens.weight"
+                and self.tie_word_embeddings
+                and self.model.embed_tokens is None
+                and self.lm_head is not None
+            ):
+                # A last pipeline stage without the embedding: its head is the tied table.
+                self.lm_head.load_weight(self.lm_head.weight, tensor, name)
+                loaded.add("lm_head.weight")
+                continue
             for ckpt_part, fused_part, shard in stacked:
                 if f".{ckpt_part}." not in name:
                     continue
@@ -260,20 +332,19 @@ class LlamaForCausalLM(CausalLM):
                 if fused_name not in params:
                     continue
                 module = self.get_submodule(fused_name.rsplit(".", 1)[0])
-                assert isinstance(module, MergedLinear), f"{fused_name} is not a fused linear"
-                module.load_shard(params[fused_name], tensor, shard)
+                assert isinstance(module, ColumnParallelLinear), f"{fused_name} is not fused"
+                module.load_weight(params[fused_name], tensor, name, shard)
                 loaded.add(f"{fused_name}#{shard}")
                 break
             else:
                 if name not in params:
                     continue
-                param = params[name]
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
+                owner = self.get_submodule(name.rsplit(".", 1)[0])
+                load_weight = getattr(owner, "load_weight", None)
+                if load_weight is not None:
+                    load_weight(params[name], tensor, name)
+                else:  # norms: replicated, small
+                    copy_checked(params[name].data, tensor.narrow(0, 0, tensor.shape[0]), name)
                 loaded.add(name)
         return self._complete_names(loaded)
 
@@ -281,7 +352,7 @@ class LlamaForCausalLM(CausalLM):
         """Parameter names whose every shard was loaded (tied lm_head counts as loaded)."""
         complete = {name for name in loaded if "#" not in name}
         for name, module in self.named_modules():
-            if isinstance(module, MergedLinear):
+            if isinstance(module, ColumnParallelLinear):
                 for param_name, _ in module.named_parameters():
                     full = f"{name}.{param_name}"
                     shards = {f"{full}#{i}" for i in range(len(module.output_sizes))}

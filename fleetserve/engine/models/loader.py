@@ -1,7 +1,9 @@
 """Build a model from a Hugging Face folder: config.json + *.safetensors → our modules on a device.
 
-Weights stream tensor by tensor from `safe_open` (never a whole file in memory), are cast to the
-engine dtype and copied into pre-allocated parameters on the target device. The lm_head is tied to
+Weights stream tensor by tensor from `safe_open` (never a whole file in memory) as lazy slices
+(`SafetensorsSlice`): each parameter's module reads only the rows or columns its tensor-parallel
+rank keeps (`narrow`), casts them to the engine dtype and copies them into its pre-allocated
+parameter on the target device, so no rank materialises a tensor it does not own. The lm_head is tied to
 the embedding when the config says so or when the checkpoint has no `lm_head.weight`.
 
 `load_format="dummy"` skips the checkpoint: parameters are drawn from a seeded normal (std 0.02;
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -25,6 +28,9 @@ from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.registry import resolve_model_class
 from fleetserve.kernels import is_interpreter
+
+if TYPE_CHECKING:
+    from fleetserve.engine.distributed.group import GroupCoordinator
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -57,20 +63,48 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+class SafetensorsSlice:
+    """One checkpoint tensor, read in part on demand (a `CheckpointTensor`).
+
+    Valid while the file it comes from is open (during `iterate_weights`'s iteration of it).
+    """
+
+    def __init__(self, handle: Any, dtype: torch.dtype) -> None:
+        self._handle = handle
+        self._dtype = dtype
+        self.shape = torch.Size(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length) as a CPU tensor in the
+        engine dtype; only those elements are read from the file.
+
+        Raises:
+            ValueError: dim outside the tensor's dimensions.
+        """
+        if not 0 <= dim < max(len(self.shape), 1):
+            raise ValueError(f"dim must be in [0, {len(self.shape)}), got {dim}")
+        if not self.shape:
+            return self._handle[:].to(self._dtype)  # a scalar: nothing to slice
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        tensor: torch.Tensor = self._handle[tuple(index)]
+        return tensor.to(self._dtype)
+
+
 def iterate_weights(
     model_dir: str | Path, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, CPU tensor cast to `dtype`) for every tensor of every shard."""
+) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Yield (checkpoint name, lazy slice read as `dtype`) for every tensor of every shard."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, SafetensorsSlice(f.get_slice(name), dtype)
 
 
 def build_layer_context(
-    config: EngineConfig, *, tp_rank: int = 0, tp_size: int = 1
+    config: EngineConfig, *, tp_group: GroupCoordinator | None = None, pp_rank: int = 0
 ) -> LayerContext:
-    """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice.
+    """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice, its
+    tensor-parallel group (None: a single rank) and its pipeline stage.
 
     Raises:
         ValueError: an unknown dtype, or triton custom ops on the CPU outside Triton's
@@ -87,8 +121,12 @@ def build_layer_context(
         dtype=torch_dtype(config.model.dtype),
         device=device,
         custom_ops=custom_ops,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
+        tp_rank=0 if tp_group is None else tp_group.rank_in_group,
+        tp_size=1 if tp_group is None else tp_group.world_size,
+        tp_group=tp_group,
+        pp_rank=pp_rank,
+        pp_size=config.parallel.pipeline_parallel_size,
+        pp_partition=config.parallel.pipeline_layer_partition,
     )
 
 

@@ -1,10 +1,12 @@
 """Executors drive the workers of one engine: the EngineCore's only view of them.
 
-`Executor.get_class(parallel_config)` picks the implementation for the topology; today that is
-`UniProcExecutor` (one worker, called directly in this process). A multi-process executor for
-tensor/pipeline parallelism implements the same four methods: `initialize` and `shutdown` once,
-`execute_model` per step, and `collective_rpc` for anything every rank must run (weight
-reloads, EPLB's expert rearrangement between steps, ...).
+`Executor.get_class(parallel_config)` picks the implementation named by
+`distributed_executor_backend`: `UniProcExecutor` ('uni': one worker, called directly in this
+process) or `MultiprocExecutor` ('mp': one worker process per rank, in
+`multiproc_executor.py`). Both implement the same methods: `initialize` and `shutdown` once,
+`execute_model` per step, `collective_rpc` for anything every rank must run (weight reloads,
+EPLB's expert rearrangement between steps, ...), and `check_health`, which the engine core calls
+between steps so that a dead worker ends the engine even while it is idle.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from typing import Any
 from fleetserve.engine.config import EngineConfig, ParallelConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.worker.worker import Worker
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died, hung or diverged from its peers: the executor cannot run another step
+    (no request-level recovery applies; the engine must end)."""
 
 
 class Executor(ABC):
@@ -28,19 +35,22 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(parallel_config: ParallelConfig) -> type[Executor]:
-        """The executor class for this parallel topology.
+        """The executor class `parallel_config.distributed_executor_backend` names.
 
         Raises:
-            ValueError: a topology with more than one rank (the multi-process executor is not
-                built yet); the message names the tensor and pipeline sizes.
+            ValueError: 'uni' for more than one rank (ParallelConfig refuses it too).
         """
-        if parallel_config.world_size == 1:
-            return UniProcExecutor
-        raise ValueError(
-            "tensor_parallel_size and pipeline_parallel_size must both be 1 until the "
-            f"multi-process executor is built, got {parallel_config.tensor_parallel_size} and "
-            f"{parallel_config.pipeline_parallel_size} (world size {parallel_config.world_size})"
-        )
+        backend = parallel_config.executor_backend
+        if backend == "mp":
+            from fleetserve.engine.worker.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        if parallel_config.world_size != 1:
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' for more than one rank, got "
+                f"{backend!r} with world size {parallel_config.world_size}"
+            )
+        return UniProcExecutor
 
     def initialize(self) -> int:
         """Bring every worker up: device, model, KV cache, CUDA graphs.
@@ -83,14 +93,26 @@ class Executor(ABC):
             ValueError: `method` is not a public Worker method.
         """
 
+    def check_health(self) -> None:  # noqa: B027 - in-process workers: nothing to check
+        """Cheap liveness check between steps.
+
+        Raises:
+            ExecutorDeadError: a worker is gone (the in-process worker never is).
+        """
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release every worker's graphs, model and KV cache (the process may keep running)."""
 
 
-def _worker_method(worker: Worker, method: str) -> Any:
-    if method.startswith("_") or not callable(getattr(type(worker), method, None)):
+def check_worker_method(method: str) -> None:
+    """Raises ValueError unless `method` is a public method of `Worker`."""
+    if method.startswith("_") or not callable(getattr(Worker, method, None)):
         raise ValueError(f"collective_rpc method must be a public Worker method, got {method!r}")
+
+
+def _worker_method(worker: Worker, method: str) -> Any:
+    check_worker_method(method)
     return getattr(worker, method)
 
 

@@ -30,6 +30,7 @@ from fleetserve.engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from fleetserve.engine.distributed.pipeline import PipelineStage
 from fleetserve.engine.kv_transfer.connector_meta import P2PMetadata
 from fleetserve.engine.layers.attention.layer import attention_layers
 from fleetserve.engine.layers.forward_context import ForwardContext, KVLayerHooks
@@ -83,6 +84,8 @@ class ModelRunner:
         self.kv_hooks: KVLayerHooks | None = None
         """Per-layer KV connector hooks for the coming steps; while set, every step runs
         eagerly (see `fleetserve.engine.layers.forward_context`)."""
+        self.pipeline: PipelineStage | None = None
+        """This rank's pipeline stage hand-off (set by the worker with more than one stage)."""
         self.kv_connector: P2PConnectorWorker | None = None
         """The KV connector's worker role (set by the worker when the engine has one): told
         each step's metadata before the forward pass, polled after it, every step."""
@@ -205,19 +208,31 @@ class ModelRunner:
             def forward() -> torch.Tensor:
                 return model(inputs.input_ids, inputs.positions, context)
 
-            if inputs.padded_size is not None and self.decode_graphs is not None:
+            hidden_states: torch.Tensor | None
+            if self.pipeline is not None:
+                hidden_states = self.pipeline.run(
+                    len(inputs.input_ids),
+                    lambda sent: model(inputs.input_ids, inputs.positions, context, sent),
+                )
+            elif inputs.padded_size is not None and self.decode_graphs is not None:
                 hidden_states = self.decode_graphs.run(inputs.padded_size, forward)
             else:
                 hidden_states = forward()
-            sampled, logprobs = self._sample(inputs, hidden_states)
-            prompt = prompt_logprobs(
-                model,
-                hidden_states,
-                inputs.req_ids,
-                self.requests,
-                scheduler_output.num_scheduled_tokens,
-                self.device,
-            )
+            sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+            logprobs: dict[str, LogprobsLists] = {}
+            prompt: dict[str, LogprobsLists] = {}
+            # NOTE: only the last pipeline stage samples; the others learn the tokens from the
+            # scheduler's deltas next step (`_sync_tokens`).
+            if hidden_states is not None:
+                sampled, logprobs = self._sample(inputs, hidden_states)
+                prompt = prompt_logprobs(
+                    model,
+                    hidden_states,
+                    inputs.req_ids,
+                    self.requests,
+                    scheduler_output.num_scheduled_tokens,
+                    self.device,
+                )
         if hooks is connector and connector is not None:
             connector.wait_for_save()
         for req_id in inputs.req_ids:

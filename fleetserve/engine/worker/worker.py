@@ -12,7 +12,12 @@ the same sequence):
     shutdown()                 release graphs, model and caches
 
 Sizing lives here, not in the runner, because under tensor or pipeline parallelism every rank
-sizes its own memory and the executor must agree on one number for all of them.
+sizes its own memory and the executor must agree on one number for all of them. A rank's KV
+cache holds only its own KV heads (`num_kv_heads_per_rank`).
+
+With more than one rank, `init_device` joins the engine's process groups
+(`fleetserve.engine.distributed.ParallelState`) at `distributed_init_method`, and `shutdown`
+tears them down after the model is released.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ import torch
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.distributed.parallel_state import ParallelState, layout_of
+from fleetserve.engine.distributed.pipeline import PipelineStage
+from fleetserve.engine.distributed.stages import stage_layer_range
 from fleetserve.engine.layers.attention.base import CudaGraphSupport
 from fleetserve.engine.layers.layer_context import LayerContext
+from fleetserve.engine.layers.linear import num_kv_heads_per_rank
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.loader import build_layer_context, torch_dtype
 from fleetserve.engine.worker.cuda_graphs import cuda_graph_capture_sizes
@@ -46,19 +55,31 @@ _CUDA_RESERVE_BYTES = 512 << 20
 
 
 class Worker:
-    """One engine rank (rank 0 of 1 for now).
+    """One engine rank.
 
     Args:
         config: the engine configuration.
-        rank: this worker's rank in the engine's world (tensor-parallel rank for now).
+        rank: this worker's global rank in the engine's world.
+        distributed_init_method: the process groups' rendezvous (e.g. 'tcp://127.0.0.1:29500');
+            required with more than one rank.
 
     Raises:
-        ValueError: the model's config.json does not describe a usable architecture.
+        ValueError: the model's config.json does not describe a usable architecture, or a
+            multi-rank topology without a rendezvous.
     """
 
-    def __init__(self, config: EngineConfig, *, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, *, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
+        if config.parallel.world_size > 1 and distributed_init_method is None:
+            raise ValueError("distributed_init_method is required with more than one rank")
         self.config = config
         self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.parallel_state: ParallelState | None = None
+        """This rank's process groups (None with one rank)."""
+        self.pp_rank = layout_of(config.parallel).group_of("pipeline", rank).index(rank)
+        """This rank's pipeline stage (from the rank layout, before any group exists)."""
         self.arch = ModelArch.from_hf_config(config.model.hf_config)
         """The typed architecture, read once for this rank's model and runner."""
         self.dtype = torch_dtype(config.model.dtype)
@@ -86,12 +107,30 @@ class Worker:
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError("device 'cuda' needs a CUDA GPU, and torch sees none")
-            torch.cuda.set_device(self.rank)
+            # NOTE: the local rank picks the device; ranks of other hosts reuse indices.
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
         parallel = self.config.parallel
+        tp_group = None
+        if parallel.world_size > 1:
+            assert self.distributed_init_method is not None
+            self.parallel_state = ParallelState.create(
+                parallel, rank=self.rank, init_method=self.distributed_init_method,
+                device=self.device, custom_all_reduce=not parallel.disable_custom_all_reduce,
+            )  # fmt: skip
+            if parallel.tensor_parallel_size > 1:
+                tp_group = self.parallel_state.tensor
+        pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
         self.layer_context = build_layer_context(
-            self.config, tp_rank=self.rank, tp_size=parallel.tensor_parallel_size
+            self.config,
+            tp_group=tp_group,
+            pp_rank=self.pp_rank,
         )
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
+        if pp_group is not None and pp_group.world_size > 1:
+            self._runner.pipeline = PipelineStage(
+                pp_group, self.arch.hidden_size, self.dtype, self.device
+            )
         if self.config.kv_transfer is not None:
             from fleetserve.engine.kv_transfer.factory import create_worker_role
 
@@ -104,8 +143,28 @@ class Worker:
         """Bytes one KV block takes across all layers (keys and values)."""
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         arch = self.arch
-        per_layer = 2 * self.config.cache.block_size * arch.kv_size * element_bytes
-        return per_layer * arch.num_hidden_layers
+        kv_size = self._num_kv_heads * arch.head_size
+        per_layer = 2 * self.config.cache.block_size * kv_size * element_bytes
+        return per_layer * self._num_layers
+
+    @property
+    def _num_layers(self) -> int:
+        """Decoder layers this rank's pipeline stage holds (and caches KV for)."""
+        parallel = self.config.parallel
+        start, end = stage_layer_range(
+            self.arch.num_hidden_layers,
+            self.pp_rank,
+            parallel.pipeline_parallel_size,
+            parallel.pipeline_layer_partition,
+        )
+        return end - start
+
+    @property
+    def _num_kv_heads(self) -> int:
+        """KV heads this rank caches (its share; one when they are replicated)."""
+        return num_kv_heads_per_rank(
+            self.arch.num_key_value_heads, self.config.parallel.tensor_parallel_size
+        )
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks this rank can hold, including the null block 0 (after `load_model`).
@@ -152,19 +211,19 @@ class Worker:
         hand them to the runner."""
         arch = self.arch
         block_size = self.config.cache.block_size
-        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_size)
+        shape = (2, num_blocks, block_size, self._num_kv_heads, arch.head_size)
         connector = self.kv_connector
         if connector is not None and connector.wants_shared_memory and self.device.type == "cpu":
             # NOTE: a same-host peer then copies our blocks with one memcpy per run instead of
             # a socket round trip (the tcp transport's fast path); the tensors are zeroed.
             from fleetserve.engine.kv_transfer.transport import SharedKVArena
 
-            self._kv_arena = SharedKVArena.create([shape] * arch.num_hidden_layers, self.dtype)
+            self._kv_arena = SharedKVArena.create([shape] * self._num_layers, self.dtype)
             kv_caches = list(self._kv_arena.tensors)
         else:
             kv_caches = [
                 torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(arch.num_hidden_layers)
+                for _ in range(self._num_layers)
             ]
         self.model_runner.bind_kv_caches(kv_caches)
         if connector is not None:
@@ -196,6 +255,9 @@ class Worker:
         """
         if self.config.device.enforce_eager:
             return "enforce_eager is set"
+        if self.config.parallel.world_size > 1:
+            # NOTE: captured collectives need registered buffers (seed part 2 §2.5); not built.
+            return "more than one rank (graphs with collectives are not built yet)"
         if self.device.type != "cuda":
             return f"device is {self.device.type!r}"
         model = self.model_runner.model
@@ -248,5 +310,8 @@ class Worker:
         if self._kv_arena is not None:
             self._kv_arena.close()
             self._kv_arena = None
+        if self.parallel_state is not None:
+            self.parallel_state.destroy()
+            self.parallel_state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

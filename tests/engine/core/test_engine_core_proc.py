@@ -73,6 +73,9 @@ class FakeCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running)
 
+    def check_health(self) -> None:
+        pass
+
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running_reqs=len(self.scheduler.running), kv_cache_usage=0.5)
 

@@ -3,7 +3,6 @@ count as the minimum over ranks, and a shutdown that really releases the model a
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import weakref
 from pathlib import Path
@@ -28,15 +27,17 @@ def test_get_class_picks_the_uniproc_executor_for_one_rank() -> None:
     assert Executor.get_class(ParallelConfig()) is UniProcExecutor
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 4)])
-def test_get_class_refuses_more_ranks_naming_the_sizes(tp: int, pp: int) -> None:
-    parallel = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    with pytest.raises(
-        ValueError,
-        match=rf"tensor_parallel_size and pipeline_parallel_size must both be 1 until the "
-        rf"multi-process executor is built, got {tp} and {pp} \(world size {tp * pp}\)",
-    ):
-        Executor.get_class(parallel)
+def test_get_class_follows_the_executor_backend() -> None:
+    from fleetserve.engine.worker.multiproc_executor import MultiprocExecutor
+
+    assert Executor.get_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor
+    assert Executor.get_class(ParallelConfig(distributed_executor_backend="mp")) is (
+        MultiprocExecutor
+    )
+    with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'auto'"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        ParallelConfig(distributed_executor_backend="ray")
 
 
 def test_engine_core_takes_its_executor_from_get_class(tiny_llama_dir: Path) -> None:
@@ -44,10 +45,6 @@ def test_engine_core_takes_its_executor_from_get_class(tiny_llama_dir: Path) -> 
     core = EngineCore(config)
     assert type(core.executor) is UniProcExecutor
     core.shutdown()
-    # EngineConfig.create refuses TP today; a config built around it still reaches get_class.
-    two_ranks = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="until the multi-process executor is built"):
-        EngineCore(two_ranks)
 
 
 def test_collective_rpc_calls_the_worker_and_returns_one_result_per_rank(

@@ -1,0 +1,259 @@
+"""`MultiprocExecutor` ('mp'): one worker process per rank, driven from the engine core.
+
+Control path (seed notes part 1 §2.14): each call is pickled once and the same bytes are pushed
+to every rank over its own local ZMQ socket (ipc); the results come back on one shared socket,
+and for `execute_model` only the driver's does (the rank whose `ModelRunnerOutput` the engine
+uses: TP rank 0 of the last pipeline stage). Tensors never travel here: the ranks exchange them
+among themselves over torch.distributed (`fleetserve.engine.distributed`).
+
+Failure: every wait is a poll of at most `POLL_S` followed by a liveness check of every worker
+process, plus an overall bound per call; a worker that exits, a call that outlives its bound or
+a non-driver rank that fails a step (the ranks' states have diverged) raise
+`ExecutorDeadError`, after which the executor kills the remaining workers and refuses every
+call. A driver's error in a step is raised as `WorkerError`, so the engine's step isolation can
+retry its requests (every rank samples the same logits, so they fail alike).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import zmq
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.distributed.parallel_state import layout_of
+from fleetserve.engine.worker.executor import Executor, ExecutorDeadError, check_worker_method
+
+__all__ = ["MultiprocExecutor", "WorkerError"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""Longest wait on a socket before the workers' liveness is checked again."""
+START_TIMEOUT_S = 600.0
+"""Bound on the set-up calls (model loading, KV allocation)."""
+STEP_TIMEOUT_S = 300.0
+"""Bound on one step (a worker alive but stuck, e.g. in a collective with a hung peer)."""
+SHUTDOWN_GRACE_S = 5.0
+"""How long workers get to exit after the shutdown message before they are killed."""
+SEND_HWM = 16
+"""Calls queued towards one worker before a send waits (it never waits past a death)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker's call raised; the message is the worker's error text."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+class MultiprocExecutor(Executor):
+    """Spawns `world_size` worker processes (`worker_proc`) on this host and drives them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        layout = layout_of(config.parallel)
+        self.world_size = layout.world_size
+        self.driver_rank = layout.pipeline[0][-1]
+        """TP rank 0 of the last stage: it samples with every stage's work done."""
+        self._dead_reason: str | None = None
+        self._call_id = 0
+        self._failed_step_calls: set[int] = set()
+        self._dir = tempfile.mkdtemp(prefix="fleetserve-workers-")
+        self._ctx = zmq.Context()
+        self._results = self._ctx.socket(zmq.PULL)
+        self._results.bind(f"ipc://{self._dir}/results")
+        self._requests: list[zmq.Socket[bytes]] = []
+        for rank in range(self.world_size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{self._dir}/rank{rank}")
+            self._requests.append(sock)
+        config_path = f"{self._dir}/config.pkl"
+        with open(config_path, "wb") as f:
+            pickle.dump(config, f, protocol=5)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs = [
+            subprocess.Popen(self._worker_argv(rank, config_path, init_method))
+            for rank in range(self.world_size)
+        ]
+        # NOTE: an engine dropped without shutdown() (the offline LLM) must not leave its
+        # workers waiting out their parent poll.
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
+        logger.info(
+            "started %d worker processes %s (driver rank %d)",
+            self.world_size,
+            [p.pid for p in self._procs],
+            self.driver_rank,
+        )
+
+    def _worker_argv(self, rank: int, config_path: str, init_method: str) -> list[str]:
+        flags = {
+            "--rank": str(rank),
+            "--driver-rank": str(self.driver_rank),
+            "--config": config_path,
+            "--requests": f"ipc://{self._dir}/rank{rank}",
+            "--results": f"ipc://{self._dir}/results",
+            "--init-method": init_method,
+            "--parent-pid": str(os.getpid()),
+        }
+        argv = [sys.executable, "-m", "fleetserve.engine.worker.worker_proc"]
+        return argv + [part for flag, value in flags.items() for part in (flag, value)]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids, in rank order."""
+        return [p.pid for p in self._procs]
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        call_id = self._broadcast("execute_model", (scheduler_output,), {})
+        replies = self._wait(call_id, {self.driver_rank}, STEP_TIMEOUT_S)
+        ok, result = replies[self.driver_rank]
+        if not ok:
+            self._failed_step_calls.add(call_id)
+            # NOTE: a peer's death surfaces first as the driver's failed collective; report the
+            # death (the engine ends), not a step error (which would be retried).
+            time.sleep(POLL_S)
+            self.check_health()
+            raise WorkerError(result)
+        assert isinstance(result, ModelRunnerOutput)
+        return result
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        check_worker_method(method)
+        call_id = self._broadcast(method, args, kwargs)
+        replies = self._wait(call_id, set(range(self.world_size)), START_TIMEOUT_S)
+        errors = [f"rank {r}: {res}" for r, (ok, res) in sorted(replies.items()) if not ok]
+        if errors:
+            raise WorkerError(f"{method} failed on " + "; ".join(errors))
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def check_health(self) -> None:
+        if self._dead_reason is None:
+            exited = [(r, p.returncode) for r, p in enumerate(self._procs) if p.poll() is not None]
+            if exited:
+                rank, code = exited[0]
+                self._die(f"worker rank {rank} (pid {self._procs[rank].pid}) exited with {code}")
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _broadcast(self, method: str | None, args: Any, kwargs: Any) -> int:
+        self.check_health()
+        self._call_id += 1
+        data = pickle.dumps((self._call_id, method, args, kwargs), protocol=5)
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        for rank, sock in enumerate(self._requests):
+            while True:
+                try:
+                    sock.send(data, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    pass
+                self.check_health()
+                if time.monotonic() > deadline:
+                    self._die(f"worker rank {rank} did not take a call within {STEP_TIMEOUT_S} s")
+                    self.check_health()
+                sock.poll(int(POLL_S * 1000), zmq.POLLOUT)
+        return self._call_id
+
+    def _wait(self, call_id: int, ranks: set[int], timeout_s: float) -> dict[int, tuple[bool, Any]]:
+        """The replies of `ranks` to call `call_id` (rank → (ok, result)).
+
+        Raises:
+            ExecutorDeadError: a worker died, the bound passed, or a rank failed a step alone.
+        """
+        replies: dict[int, tuple[bool, Any]] = {}
+        others: dict[int, str] = {}
+        """Failures of this call by ranks that reply only on failure (fine if the driver
+        failed too: every rank ran the same step into the same error)."""
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(ranks):
+            if not self._results.poll(int(POLL_S * 1000)):
+                self.check_health()
+                if time.monotonic() > deadline:
+                    self._die(f"no reply from ranks {sorted(ranks - set(replies))} to call "
+                              f"{call_id} within {timeout_s:.0f} s")  # fmt: skip
+                    self.check_health()
+                continue
+            rank, reply_id, ok, result = pickle.loads(self._results.recv())
+            if reply_id == call_id:
+                if rank in ranks:
+                    replies[rank] = (ok, result)
+                elif not ok:
+                    others[rank] = result
+            elif not ok and reply_id not in self._failed_step_calls:
+                self._diverged(rank, result)
+        if others and all(ok for ok, _ in replies.values()):
+            rank = min(others)
+            self._diverged(rank, others[rank])
+        return replies
+
+    def _diverged(self, rank: int, error: str) -> None:
+        # NOTE: a non-driver rank failed a step its driver passed: the ranks' states
+        # (persistent batch, KV) no longer agree, and no retry can mend that.
+        self._die(f"worker rank {rank} failed a step alone: {error}")
+        self.check_health()
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        logger.error("executor failed: %s; stopping the workers", reason)
+        self._dead_reason = reason
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def shutdown(self) -> None:
+        """Ask every worker to exit, kill those that do not within the grace, release sockets.
+
+        Idempotent.
+        """
+        if self._ctx.closed:
+            return
+        stop = pickle.dumps((0, None, (), {}), protocol=5)
+        for sock, proc in zip(self._requests, self._procs, strict=True):
+            if proc.poll() is None:
+                try:
+                    sock.send(stop, zmq.NOBLOCK)
+                except zmq.Again:
+                    proc.kill()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._dead_reason = self._dead_reason or "the executor is shut down"
+        self._finalizer.detach()
+        for sock in self._requests:
+            sock.close(linger=0)
+        self._results.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
