@@ -23,11 +23,14 @@ from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.core.step_isolation import is_unrecoverable
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.structured_output.factory import create_manager
 from fleetserve.engine.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
 _TRANSFER_POLL_S = 0.001
+_GRAMMAR_POLL_S = 0.005
+"""Longest wait for a grammar compile when nothing else can run (new inputs are read after)."""
 
 
 class EngineCore:
@@ -63,6 +66,7 @@ class EngineCore:
             load_failure_policy=(
                 config.kv_transfer.load_failure_policy if config.kv_transfer else "fail"
             ),
+            structured_output=create_manager(config),
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)
@@ -168,6 +172,9 @@ class EngineCore:
             # NOTE: only transfers in flight: wait for one to advance (at most 1 ms, so that
             # new requests and leases are still served) instead of spinning.
             self.executor.collective_rpc("wait_for_kv_progress", _TRANSFER_POLL_S)
+        elif scheduler_output.is_empty and not outputs:
+            # NOTE: only grammars compiling (if any): wait for one instead of spinning.
+            self.scheduler.structured_output.wait(_GRAMMAR_POLL_S)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -188,4 +195,6 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.scheduler.structured_output.manager is not None:
+            self.scheduler.structured_output.manager.shutdown()
         self.executor.shutdown()
