@@ -27,7 +27,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 MAX_N = 128
 """Most sequences one request may ask for (OpenAI's limit)."""
@@ -399,6 +406,14 @@ class ChatMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    """Only in answers that call tools (the key is left out otherwise, as OpenAI does)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class DeltaMessage(OpenAIModel):
