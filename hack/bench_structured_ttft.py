@@ -55,6 +55,7 @@ def main() -> None:
 
         model = str(bundled_model_path())
     llm = LLM(model, dtype="float32", max_model_len=512)
+    assert llm.tokenizer is not None, "a grammar needs the model's tokenizer"
     prompt = encode_prompt(llm.tokenizer, "Describe the incident as JSON.")
 
     def constrained(tag: str) -> SamplingParams:
