@@ -12,13 +12,19 @@ executor class comes from the parallel topology (`Executor.get_class(config.para
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
-from fleetserve.engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from fleetserve.engine.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.core.step_isolation import is_unrecoverable
 from fleetserve.engine.request import Request, RequestStatus
@@ -95,7 +101,9 @@ class EngineCore:
         """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`).
 
         A prefill leg (`kv_transfer_params.do_remote_decode`) computes its prompt and one token,
-        whatever else it asked for: its decode engine generates the rest.
+        whatever else it asked for: its decode engine generates the rest. Its output constraint
+        is dropped: that token is discarded (the decode engine samples the first token itself,
+        under the constraint), so compiling the grammar here would only delay the prefill.
 
         Raises:
             ValueError: the request cannot be served here (its id is taken, it can never fit
@@ -104,7 +112,7 @@ class EngineCore:
         if (kv_transfer_params or {}).get("do_remote_decode") is True:
             if params.n != 1:
                 raise ValueError("n must be 1 for a prefill leg (kv_transfer_params)")
-            params = params.clone(max_tokens=1, min_tokens=0)
+            params = params.clone(max_tokens=1, min_tokens=0, structured_outputs=None)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -148,12 +156,14 @@ class EngineCore:
         try:
             if scheduler_output.is_empty:
                 # Still tell the runner about finished requests so it frees their state, and
-                # let the connector poll its transfers.
+                # let the connector poll its transfers and take its instructions (a request
+                # waiting for its grammar was already announced: its watch must not be lost).
                 runner_output = (
                     self.executor.execute_model(scheduler_output)
                     if scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids
                     or transfers_pending
+                    or _has_connector_instructions(scheduler_output)
                     else ModelRunnerOutput.empty()
                 )
             else:
@@ -198,3 +208,11 @@ class EngineCore:
         if self.scheduler.structured_output.manager is not None:
             self.scheduler.structured_output.manager.shutdown()
         self.executor.shutdown()
+
+
+def _has_connector_instructions(scheduler_output: SchedulerOutput) -> bool:
+    """Whether the step's connector metadata tells the workers anything (any list non-empty)."""
+    meta = scheduler_output.kv_connector_metadata
+    if meta is None or not dataclasses.is_dataclass(meta):
+        return False
+    return any(getattr(meta, f.name) for f in dataclasses.fields(meta))
