@@ -155,3 +155,24 @@ def test_abort_while_the_grammar_compiles(tiny_llama: Path) -> None:
     core.scheduler.check_invariants()
     assert not core.has_unfinished_requests()
     core.shutdown()
+
+
+def test_the_llguidance_backend_constrains_the_engine_too(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256)
+    manager = create_manager(llm.config, backend="llguidance")
+    llm.engine_core.scheduler.structured_output.manager = manager
+    regex = SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                           structured_outputs=constrained(regex=REGEX))  # fmt: skip
+    for output in llm.generate(prompts(4, 30), regex):
+        assert re.fullmatch(REGEX, output.outputs[0].text), output.outputs[0].text
+    choice = SamplingParams(temperature=1.0, seed=6, max_tokens=20,
+                            structured_outputs=constrained(choice=CHOICES))  # fmt: skip
+    for output in llm.generate(prompts(4, 30), choice):
+        assert output.outputs[0].text in CHOICES
+    assert manager.backend is not None and manager.backend.name == "llguidance"
+
+
+def test_an_unknown_backend_is_refused_by_name(tiny_llama: Path) -> None:
+    config = LLM(str(tiny_llama), dtype="float32", max_model_len=64).config
+    with pytest.raises(ValueError, match="structured output backend must be one of"):
+        create_manager(config, backend="outlines")
