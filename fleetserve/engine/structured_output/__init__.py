@@ -18,7 +18,9 @@ Flow of one constrained request through the engine core:
 3. `update_from_output` advances the request's grammar by the tokens it kept. The grammar
    state lives with the request in the core, so it survives preemption and recompute.
 
-Speculative decoding (the scheduler passes drafts; this package provides and tests the rest):
+Speculative decoding (the scheduler passes drafts; this package provides and tests the rest;
+`scheduling.StructuredOutputScheduling.bitmask(..., draft_token_ids=...)` and `.valid_drafts`
+are the scheduler-side entry points, the scheduled token counts include the drafts):
 
 - `manager.grammar_bitmask(grammars, draft_token_ids={req_id: [d0, ..., dk-1]})` gives that
   request 1 + k rows at `row_of[req_id]`: row i is the mask after drafts 0..i-1; rows after the

@@ -12,6 +12,7 @@ import logging
 from fleetserve.common.error_codes import INVALID_GRAMMAR
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.structured_output.manager import StructuredOutputManager
+from fleetserve.engine.structured_output.speculative import valid_draft_prefix
 from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 
 __all__ = ["StructuredOutputScheduling"]
@@ -82,22 +83,40 @@ class StructuredOutputScheduling:
             self.manager.wait_for_compile([g for g in grammars if g is not None], timeout_s)
 
     def bitmask(
-        self, scheduled: list[Request], num_scheduled: dict[str, int]
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        draft_token_ids: dict[str, list[int]] | None = None,
     ) -> GrammarBitmask | None:
-        """This step's masks: one row per constrained request that samples this step (its
-        scheduled tokens reach the end of its known tokens). Called before the scheduled
-        tokens are added to `num_computed_tokens`."""
+        """This step's masks: rows for each constrained request that samples this step (its
+        scheduled tokens, drafts excluded, reach the end of its known tokens): one, or 1 + k
+        with k drafts in `draft_token_ids` (see `speculative.fill_draft_rows`). Called before
+        the scheduled tokens are added to `num_computed_tokens`."""
         if self.manager is None:
             return None
+        drafts = draft_token_ids or {}
         rows = []
         for request in scheduled:
             so = request.structured_output
             if so is None or so.grammar is None:
                 continue
-            if request.num_computed_tokens + num_scheduled[request.request_id] < request.num_tokens:
+            num_new = num_scheduled[request.request_id] - len(drafts.get(request.request_id, ()))
+            if request.num_computed_tokens + num_new < request.num_tokens:
                 continue  # a prefill chunk short of the end: nothing is sampled
             rows.append((request.request_id, so.grammar))
-        return self.manager.grammar_bitmask(rows)
+        sampling = {req_id for req_id, _ in rows}
+        return self.manager.grammar_bitmask(
+            rows, {r: d for r, d in drafts.items() if r in sampling} or None
+        )
+
+    @staticmethod
+    def valid_drafts(request: Request, draft_token_ids: list[int]) -> list[int]:
+        """The longest prefix of a constrained request's drafts its grammar allows (all of them
+        for an unconstrained request), so that no draft the grammar rejects is verified."""
+        so = request.structured_output
+        if so is None or so.grammar is None:
+            return draft_token_ids
+        return valid_draft_prefix(so.grammar, draft_token_ids)
 
     @staticmethod
     def accept(request: Request, token_ids: list[int]) -> str | None:

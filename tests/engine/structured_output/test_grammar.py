@@ -227,3 +227,31 @@ def test_a_constraint_that_does_not_compile_fails_with_its_reason(manager_and_to
         request_grammar.future.result(timeout=60)
     assert not request_grammar.resolve()
     assert request_grammar.is_invalid and request_grammar.error
+
+
+def test_the_scheduler_side_gives_drafted_requests_one_row_per_draft_plus_one(
+    manager_and_tokenizer,
+) -> None:
+    from fleetserve.engine.structured_output.request_grammar import RequestGrammar
+    from fleetserve.engine.structured_output.scheduling import StructuredOutputScheduling
+    from tests.factories import make_request
+
+    manager, tokenizer = manager_and_tokenizer
+    scheduling = StructuredOutputScheduling(manager)
+    requests = []
+    for req_id in ("a", "b"):
+        request = make_request(req_id, [5, 6, 7], structured_outputs={"regex": "[a-c]+x"})
+        so = manager.init_request(request.sampling_params.structured_outputs)
+        so.future.result(60)
+        assert so.resolve()
+        request.structured_output = so
+        request.num_computed_tokens = 3  # decoding: its next token is sampled this step
+        requests.append(request)
+    drafts = {"a": ids(tokenizer, "ab") + ids(tokenizer, "!")}
+    assert scheduling.valid_drafts(requests[0], drafts["a"]) == ids(tokenizer, "ab")
+    step_mask = scheduling.bitmask(requests, {"a": 1 + 3, "b": 1}, drafts)
+    assert step_mask is not None
+    assert step_mask.row_of == {"a": 0, "b": 4} and step_mask.num_rows == {"a": 4, "b": 1}
+    assert step_mask.bitmask.shape == (5, WIDTH)
+    assert isinstance(requests[1].structured_output, RequestGrammar)
+    assert requests[0].structured_output.grammar.num_accepted_tokens == 0
