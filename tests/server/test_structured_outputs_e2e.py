@@ -99,6 +99,17 @@ def test_every_answer_under_a_json_schema_validates(
         jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
+def test_a_streamed_answer_under_a_schema_validates(
+    client: openai.OpenAI, server: ServerHandle
+) -> None:
+    schema = SCHEMAS["nested"]
+    stream = _chat(client, server, "A person with an address, as JSON.", max_tokens=200,
+                   temperature=0, stream=True,
+                   response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_completions_with_a_schema_and_json_object(
     client: openai.OpenAI, server: ServerHandle
 ) -> None:

@@ -7,7 +7,8 @@ does not crash, it is silently wrong:
 
 1. snapshot the RAW logprobs (log_softmax of the float32 logits): these are what logprobs report;
 2. cast to float32 (a copy: the caller's logits are never modified);
-3. allowed-token mask → grammar bitmask (structured output) → logit_bias → min_tokens (block EOS / stop ids) → penalties;
+3. allowed-token mask → grammar bitmask (structured output) → logit_bias → min_tokens (block
+   EOS / stop ids) → penalties;
 4. greedy rows take the argmax of the processed logits; random rows go through temperature →
    min_p → top-k / top-p and are drawn with the exponential race `argmax(probs / q)`, q ~ Exp(1);
 5. logprobs: the sampled token first, then the top-k of the raw distribution (or all of it).
