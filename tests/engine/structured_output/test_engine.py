@@ -176,3 +176,15 @@ def test_an_unknown_backend_is_refused_by_name(tiny_llama: Path) -> None:
     config = LLM(str(tiny_llama), dtype="float32", max_model_len=64).config
     with pytest.raises(ValueError, match="structured output backend must be one of"):
         create_manager(config, backend="outlines")
+
+
+def test_n_sequences_share_one_compile_and_each_follows_the_grammar(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=20,
+                            structured_outputs=constrained(regex=r"[e-h]{2,6}z"))  # fmt: skip
+    (output,) = llm.generate(prompts(1, 25), params)
+    assert len(output.outputs) == 4
+    for completion in output.outputs:
+        assert re.fullmatch(r"[e-h]{2,6}z", completion.text), completion.text
+    manager = llm.engine_core.scheduler.structured_output.manager
+    assert manager is not None and manager.num_compiles == 1
