@@ -120,10 +120,14 @@ class StructuredOutputManager:
         key = params.key
         try:
             compiled = self._ensure_backend().compile(params)
-        finally:
+        except BaseException:
             with self._lock:
                 self._in_flight.pop(key, None)
+            raise
+        # NOTE: one critical section, so that a request for the same key finds the grammar in
+        # flight or cached, never neither (which would compile it twice).
         with self._lock:
+            self._in_flight.pop(key, None)
             if self._max_cached:
                 self._cache[key] = compiled
                 while len(self._cache) > self._max_cached:
