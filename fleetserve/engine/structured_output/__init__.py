@@ -31,6 +31,9 @@ are the scheduler-side entry points, the scheduled token counts include the draf
   is unchanged.
 - `Grammar.accept_tokens(verified)` (all or nothing) advances by the tokens the target model
   accepted; `Grammar.rollback(n)` undoes the last n accepted tokens.
+- Runner side: `bitmask.draft_rows_bitmask(step_mask, req_ids, num_drafts, device)` gives the
+  masks in the verification layout (request i's 1 + k_i rows in order, all ones when
+  unconstrained), to apply with `bitmask.apply_token_bitmask` to the processed logits.
 
 Modules: `params` (the request's constraint, torch-free), `backend` (the grammar interface),
 `xgrammar_backend`, `request_grammar` (one request's compile and grammar), `manager`,

@@ -255,3 +255,20 @@ def test_the_scheduler_side_gives_drafted_requests_one_row_per_draft_plus_one(
     assert step_mask.bitmask.shape == (5, WIDTH)
     assert isinstance(requests[1].structured_output, RequestGrammar)
     assert requests[0].structured_output.grammar.num_accepted_tokens == 0
+
+
+def test_draft_rows_come_out_in_the_verification_layout(manager_and_tokenizer) -> None:
+    from fleetserve.engine.structured_output.bitmask import draft_rows_bitmask
+
+    manager, tokenizer = manager_and_tokenizer
+    grammar = grammar_of(manager, choice=["abc"])
+    drafts = ids(tokenizer, "ab")
+    step_mask = manager.grammar_bitmask([("g", grammar)], draft_token_ids={"g": drafts})
+    cpu = torch.device("cpu")
+    rows = draft_rows_bitmask(step_mask, ["free", "g"], [1, 2], cpu)
+    assert rows is not None and rows.shape == (2 + 3, WIDTH)
+    assert torch.equal(rows[:2], torch.full((2, WIDTH), -1, dtype=torch.int32))
+    assert [allowed(row) for row in rows[2:]] == [set(ids(tokenizer, c)) for c in "abc"]
+    assert draft_rows_bitmask(step_mask, ["free"], [3], cpu) is None
+    with pytest.raises(ValueError, match="rows must be drafts \\+ 1"):
+        draft_rows_bitmask(step_mask, ["g"], [1], cpu)
