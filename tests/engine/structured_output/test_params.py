@@ -57,5 +57,5 @@ def test_keys_tell_constraints_apart() -> None:
 
 
 def test_an_engine_without_a_tokenizer_refuses_constraints() -> None:
-    with pytest.raises(ValueError, match="structured_outputs .* need a tokenizer"):
+    with pytest.raises(ValueError, match=r"structured_outputs .* need a tokenizer"):
         validate_without_tokenizer(SamplingParams(structured_outputs={"regex": "a"}))
