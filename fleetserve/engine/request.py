@@ -3,8 +3,10 @@
     WAITING ──schedule──► RUNNING ──(eos | stop token | max_tokens | max_model_len)──► FINISHED_*
      │  ▲                   │
      │  └─── PREEMPTED ◄────┘  (blocks freed, num_computed_tokens reset; resumes by recompute)
-     └──► WAITING_FOR_REMOTE_KVS ──(load done or failed)──► WAITING
-          (blocks allocated and fenced while a KV connector loads them; other requests run)
+     ├──► WAITING_FOR_REMOTE_KVS ──(load done or failed)──► WAITING
+     │    (blocks allocated and fenced while a KV connector loads them; other requests run)
+     └──► WAITING_FOR_GRAMMAR ──(compiled)──► WAITING, or (compile failed) ──► FINISHED_ABORTED
+  (a structured-output request enters here from add_request; it holds no blocks meanwhile)
 
 Any live state can go to FINISHED_ABORTED. The scheduler owns the transitions; the request only
 keeps the token lists and counters the scheduler needs (`num_computed_tokens` catching up with
@@ -23,12 +25,15 @@ from fleetserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from fleetserve.common.block_hash import BlockHash
     from fleetserve.engine.core.outputs import LogprobsLists
+    from fleetserve.engine.structured_output.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     """Blocks allocated; a KV connector is loading the prompt's KV from a remote engine."""
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    """Its structured-output grammar is compiling (see `fleetserve.engine.structured_output`)."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -97,6 +102,10 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         self.prompt_logprobs_rows: LogprobsLists | None = None
         """Prompt logprobs gathered chunk by chunk until they go out with the first token."""
+
+        self.structured_output: RequestGrammar | None = None
+        """Its grammar (compiling, then ready) when `sampling_params.structured_outputs` is set;
+        advanced by every output token, so it survives preemption and recompute."""
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

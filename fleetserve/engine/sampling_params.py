@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetserve.engine.structured_output.params import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (argmax); also guards the division."""
 
@@ -39,6 +41,7 @@ class SamplingParams:
         "seed",
         "stop",
         "stop_token_ids",
+        "structured_outputs",
         "temperature",
         "top_k",
         "top_p",
@@ -66,6 +69,7 @@ class SamplingParams:
         logit_bias: dict[int, float] | None = None,
         allowed_token_ids: list[int] | None = None,
         include_stop_str_in_output: bool = False,
+        structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -93,6 +97,11 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         self.allowed_token_ids = list(allowed_token_ids) if allowed_token_ids else None
         self.include_stop_str_in_output = include_stop_str_in_output
+        if isinstance(structured_outputs, dict):
+            # NOTE: the wire form (`to_dict` through msgpack) arrives as a plain dict.
+            structured_outputs = StructuredOutputsParams.from_dict(structured_outputs)
+        self.structured_outputs: StructuredOutputsParams | None = structured_outputs
+        """The output constraint (JSON schema, regex, choice, grammar), if any."""
         self._validate()
 
     @classmethod
@@ -102,7 +111,10 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form for crossing process boundaries."""
-        return {name: getattr(self, name) for name in self.__slots__}
+        values = {name: getattr(self, name) for name in self.__slots__}
+        if self.structured_outputs is not None:
+            values["structured_outputs"] = self.structured_outputs.to_dict()
+        return values
 
     def clone(self, **changes: Any) -> SamplingParams:
         return SamplingParams(**{**self.to_dict(), **changes})
@@ -181,6 +193,12 @@ class SamplingParams:
             ),
             "prompt_logprobs",
             f"None, -1 (whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "None or a StructuredOutputsParams (or its dict form)",
         )
         if self.logit_bias:
             check(

@@ -89,9 +89,15 @@ def validate_without_tokenizer(params: SamplingParams) -> None:
     """What an engine without a tokenizer (`skip_tokenizer_init`) cannot do.
 
     Raises:
-        ValueError: stop strings or logprobs (both need token text); the message names the
+        ValueError: stop strings, logprobs (both need token text) or structured outputs (a
+            grammar is compiled against the tokenizer's vocabulary); the message names the
             field and says why.
     """
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "structured_outputs (response_format, guided_*, forced tool calls) need a "
+            "tokenizer, and this engine runs with skip_tokenizer_init"
+        )
     if params.stop:
         raise ValueError(
             "stop strings need a tokenizer, and this engine runs with skip_tokenizer_init: "

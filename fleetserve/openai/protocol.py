@@ -10,8 +10,15 @@ Limits are OpenAI's (and vLLM's): `n` in [1, 128], completions `logprobs` and ch
 `top_logprobs` in [0, 20]; they are in the published schema (`openapi.py`) too. The sampling
 fields' ranges are the engine's (`SamplingParams` validates them; the schema only documents
 them, and the suite's fuzzer checks that the two agree). Fields of
-features not built yet (`tools`, `response_format`, ...) are declared so that a request using
-them is refused by name (`unsupported_feature`) instead of silently ignored.
+features not built yet (`functions`, `tool_choice: "auto"`, streamed tool calls, ...) are
+declared so that a request using them is refused by name (`unsupported_feature`) instead of
+silently ignored.
+
+Structured output: `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
+object and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+fields, and chat `tools` with `tool_choice: "required"` or a named function (the grammar forces
+the call; the response carries `tool_calls`). The server turns them into one constraint
+(`fleetserve/server/serving_structured.py`); at most one may be given.
 """
 
 from __future__ import annotations
@@ -20,7 +27,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 MAX_N = 128
 """Most sequences one request may ask for (OpenAI's limit)."""
@@ -81,6 +95,41 @@ class UsageInfo(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: the schema the output must follow."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -120,9 +169,16 @@ class SamplingRequest(OpenAIModel):
         description="Disaggregated serving (vLLM's protocol): {'do_remote_decode': true} to a "
         "prefill engine; its response's kv_transfer_params to a decode engine.",
     )
-    response_format: dict[str, Any] | None = Field(
-        None, description="Only {'type': 'text'} until structured output lands."
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's constraint object: exactly one of json (a schema), json_object, "
+        "regex, choice (a list of strings), grammar (EBNF).",
     )
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -133,8 +189,6 @@ class SamplingRequest(OpenAIModel):
 
     def unsupported_feature(self) -> tuple[str, str] | None:
         """(field, feature) when the body asks for a feature this server does not have yet."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "structured output"
         return None
 
     @property
@@ -211,8 +265,10 @@ class ChatCompletionRequest(SamplingRequest):
         None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
     )
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = Field(None, description="Refused until tool calling.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'none', 'required' or a named function ('auto' is refused)."
+    )
     functions: list[dict[str, Any]] | None = Field(None, description="Refused (deprecated).")
     function_call: str | dict[str, Any] | None = Field(None, description="Only 'none' for now.")
 
@@ -222,13 +278,29 @@ class ChatCompletionRequest(SamplingRequest):
         return _check_logprobs("top_logprobs", top_logprobs)
 
     def unsupported_feature(self) -> tuple[str, str] | None:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                return name, "tool calling"
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                return name, "tool calling"
+        if self.functions:
+            return "functions", "deprecated function calling (use tools)"
+        if self.function_call not in (None, "none"):
+            return "function_call", "deprecated function calling (use tools)"
+        if self.tools and self.tool_choice in (None, "auto"):
+            return (
+                "tool_choice",
+                "automatic tool choice ('auto'): set 'required' or a named function",
+            )
+        if self.tools and self.tool_choice != "none" and self.stream:
+            return "stream", "streamed tool calls: call tools with stream false"
         return super().unsupported_feature()
+
+    @property
+    def forced_tools(self) -> list[ChatTool] | None:
+        """The tools the output must call: all of them ('required'), the named one, or None
+        (no tools, or 'none')."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == choice.function.name]
+        return list(self.tools)
 
 
 def _check_logprobs(name: str, value: int | None) -> int | None:
@@ -318,9 +390,30 @@ class ChatLogprobs(OpenAIModel):
     content: list[ChatLogprobContent] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+    """The call's arguments as JSON text (OpenAI's shape)."""
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Only in answers that call tools (the key is left out otherwise, as OpenAI does)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class DeltaMessage(OpenAIModel):

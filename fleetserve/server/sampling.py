@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from fleetserve.server.serving_structured import structured_outputs_of
 
 __all__ = ["chat_sampling_params", "completion_sampling_params"]
 
@@ -74,4 +75,5 @@ def _sampling_params(
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured_outputs=structured_outputs_of(body),
     )

@@ -30,6 +30,7 @@ from fleetserve.openai.protocol import (
 from fleetserve.server.logprobs import chat_logprobs
 from fleetserve.server.sampling import chat_sampling_params
 from fleetserve.server.serving import OpenAIServing
+from fleetserve.server.serving_structured import parse_tool_calls
 from fleetserve.server.serving_types import (
     ChoiceState,
     PreparedRequest,
@@ -65,28 +66,44 @@ async def create_chat_completion(
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, [(prompt_ids, None)], params, "chatcmpl")
-    response_format = ChatFormat(tokenizer, serving.model_name)
+    response_format = ChatFormat(tokenizer, serving.model_name, body)
     return await serving.respond(request, prepared, response_format)
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        body: ChatCompletionRequest | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.body = body
+        """The request, read for the tool calls it forces (their output becomes `tool_calls`)."""
 
     def full(self, prepared: PreparedRequest, choices: list[ChoiceState], usage: UsageInfo) -> str:
         return ChatCompletionResponse(
             **envelope(prepared, self.model_name, usage, final=True),
-            choices=[
-                ChatCompletionResponseChoice(
-                    index=i,
-                    message=ChatMessage(role="assistant", content=choice.text),
-                    logprobs=self._logprobs(prepared, choice.token_ids, choice.logprobs),
-                    **choice_end(prepared, i, choice, with_prompt_ids=True),
-                )
-                for i, choice in enumerate(choices)
-            ],
+            choices=[self._choice(prepared, i, choice) for i, choice in enumerate(choices)],
         ).model_dump_json()
+
+    def _choice(
+        self, prepared: PreparedRequest, index: int, choice: ChoiceState
+    ) -> ChatCompletionResponseChoice:
+        end = choice_end(prepared, index, choice, with_prompt_ids=True)
+        tool_calls = None if self.body is None else parse_tool_calls(self.body, choice.text)
+        if tool_calls is not None:
+            message = ChatMessage(role="assistant", content=None, tool_calls=tool_calls)
+            end["finish_reason"] = "tool_calls"
+        else:
+            message = ChatMessage(role="assistant", content=choice.text)
+        return ChatCompletionResponseChoice(
+            index=index,
+            message=message,
+            logprobs=self._logprobs(prepared, choice.token_ids, choice.logprobs),
+            **end,
+        )
 
     def first_chunks(self, prepared: PreparedRequest) -> list[str]:
         want_ids = prepared.return_token_ids

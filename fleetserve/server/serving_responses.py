@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from fleetserve.common.error_codes import KV_TRANSFER_FAILED
+from fleetserve.common.error_codes import INVALID_GRAMMAR, KV_TRANSFER_FAILED
 from fleetserve.engine.engine_client import (
     EngineDeadError,
     EngineOverloadedError,
@@ -148,7 +148,8 @@ def request_error(
     exc: BaseException, *, default_param: str | None = None, log_name: str = "a request"
 ) -> RequestError:
     """The HTTP error for an exception from the engine client (see `EngineClient.generate`):
-    503 dead, 429 overloaded, 400 invalid or refused by the core, 500 failed by the engine,
+    503 dead, 429 overloaded, 400 invalid or refused by the core (a constraint that does not
+    compile included), 500 failed by the engine,
     408 a reader too slow; anything else is logged and answered as a 500."""
     if isinstance(exc, RequestError):
         return exc
@@ -165,6 +166,9 @@ def request_error(
         # request elsewhere (another pair, or colocated), so it is a 503 with its own code.
         logger.warning("%s: %s", log_name, exc)
         return RequestError(503, str(exc), code=KV_TRANSFER_FAILED, retry_after_s=0)
+    if isinstance(exc, EngineRequestError) and f"{INVALID_GRAMMAR}:" in str(exc):
+        # NOTE: the request's schema, regex or grammar did not compile in the engine: its fault.
+        return RequestError(400, str(exc), code=INVALID_GRAMMAR)
     if isinstance(exc, EngineRequestError):
         logger.error("%s failed in the engine: %s", log_name, exc)
         return RequestError(500, str(exc))

@@ -12,22 +12,31 @@ executor class comes from the parallel topology (`Executor.get_class(config.para
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
-from fleetserve.engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from fleetserve.engine.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.core.step_isolation import is_unrecoverable
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.structured_output.factory import create_manager
 from fleetserve.engine.worker.executor import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
 _TRANSFER_POLL_S = 0.001
+_GRAMMAR_POLL_S = 0.005
+"""Longest wait for a grammar compile when nothing else can run (new inputs are read after)."""
 
 
 class EngineCore:
@@ -63,6 +72,7 @@ class EngineCore:
             load_failure_policy=(
                 config.kv_transfer.load_failure_policy if config.kv_transfer else "fail"
             ),
+            structured_output=create_manager(config),
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)
@@ -91,7 +101,9 @@ class EngineCore:
         """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`).
 
         A prefill leg (`kv_transfer_params.do_remote_decode`) computes its prompt and one token,
-        whatever else it asked for: its decode engine generates the rest.
+        whatever else it asked for: its decode engine generates the rest. Its output constraint
+        is dropped: that token is discarded (the decode engine samples the first token itself,
+        under the constraint), so compiling the grammar here would only delay the prefill.
 
         Raises:
             ValueError: the request cannot be served here (its id is taken, it can never fit
@@ -100,7 +112,7 @@ class EngineCore:
         if (kv_transfer_params or {}).get("do_remote_decode") is True:
             if params.n != 1:
                 raise ValueError("n must be 1 for a prefill leg (kv_transfer_params)")
-            params = params.clone(max_tokens=1, min_tokens=0)
+            params = params.clone(max_tokens=1, min_tokens=0, structured_outputs=None)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -144,12 +156,14 @@ class EngineCore:
         try:
             if scheduler_output.is_empty:
                 # Still tell the runner about finished requests so it frees their state, and
-                # let the connector poll its transfers.
+                # let the connector poll its transfers and take its instructions (a request
+                # waiting for its grammar was already announced: its watch must not be lost).
                 runner_output = (
                     self.executor.execute_model(scheduler_output)
                     if scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids
                     or transfers_pending
+                    or _has_connector_instructions(scheduler_output)
                     else ModelRunnerOutput.empty()
                 )
             else:
@@ -168,6 +182,9 @@ class EngineCore:
             # NOTE: only transfers in flight: wait for one to advance (at most 1 ms, so that
             # new requests and leases are still served) instead of spinning.
             self.executor.collective_rpc("wait_for_kv_progress", _TRANSFER_POLL_S)
+        elif scheduler_output.is_empty and not outputs:
+            # NOTE: only grammars compiling (if any): wait for one instead of spinning.
+            self.scheduler.structured_output.wait(_GRAMMAR_POLL_S)
         return outputs
 
     def check_health(self) -> None:
@@ -193,4 +210,14 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.scheduler.structured_output.manager is not None:
+            self.scheduler.structured_output.manager.shutdown()
         self.executor.shutdown()
+
+
+def _has_connector_instructions(scheduler_output: SchedulerOutput) -> bool:
+    """Whether the step's connector metadata tells the workers anything (any list non-empty)."""
+    meta = scheduler_output.kv_connector_metadata
+    if meta is None or not dataclasses.is_dataclass(meta):
+        return False
+    return any(getattr(meta, f.name) for f in dataclasses.fields(meta))

@@ -16,6 +16,7 @@ from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 
 
 @dataclass
@@ -68,6 +69,8 @@ class SchedulerOutput:
     """Freshly allocated blocks to zero before use (stale NaNs would poison attention)."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """The KV connector's instructions to the workers this step (see `kv_transfer.base`)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Structured output: the masks of the constrained requests that sample this step."""
 
     @property
     def is_empty(self) -> bool:

@@ -40,6 +40,8 @@ from fleetserve.engine.core.step_isolation import StepIsolation
 from fleetserve.engine.core.stop_conditions import check_stop
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
 from fleetserve.engine.request import Request, RequestStatus
+from fleetserve.engine.structured_output.manager import StructuredOutputManager
+from fleetserve.engine.structured_output.scheduling import StructuredOutputScheduling
 
 
 class Scheduler:
@@ -56,6 +58,7 @@ class Scheduler:
         num_kv_blocks: KV blocks available (including the null block 0).
         connector: the scheduler role of the KV connector (`NoKVConnector` when colocated).
         load_failure_policy: 'fail' or 'recompute', for remote loads that fail (`remote_kv`).
+        structured_output: the engine's grammar manager (None: constrained requests refused).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Scheduler:
         num_kv_blocks: int,
         connector: KVConnectorScheduler | None = None,
         load_failure_policy: str = "fail",
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
         self.connector = connector if connector is not None else NoKVConnector()
@@ -99,6 +103,10 @@ class Scheduler:
         """Preempted outside `schedule()` (a failed step's requests): told to the runner next."""
         self.deltas = StepDeltas()
         """What the runner has been sent of each request (new ones in full, then deltas)."""
+        self.structured_output = StructuredOutputScheduling(structured_output)
+        """Requests waiting for their grammar (WAITING_FOR_GRAMMAR), step bitmasks."""
+        self._grammar_failures: list[EngineCoreOutput] = []
+        """Requests whose grammar failed to compile, reported by the next update."""
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -124,6 +132,11 @@ class Scheduler:
                 f"{self.block_size} tokens but the cache holds {num_usable}; "
                 "shorten the prompt or max_tokens"
             )
+        if self.structured_output.add(request):
+            # NOTE: it joins the waiting queue once its grammar compiled (`schedule`).
+            self.connector.on_new_request(request)
+            self.requests[request.request_id] = request
+            return
         self.connector.on_new_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -150,6 +163,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.remote_kv.parked[request_id]
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.structured_output.remove(request_id)
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -176,6 +191,7 @@ class Scheduler:
         After a failed step its suspects run first, each alone in a step of its own.
         """
         self.kv_cache_manager.begin_step()
+        self._admit_compiled_grammars()
         if self.isolation.active:
             solo = self.isolation.next_solo(self.requests)
             if solo is not None:
@@ -295,6 +311,21 @@ class Scheduler:
             self._preempt(request)
             self._pending_preempted.add(request_id)
         return outputs
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed ones finish."""
+        if not self.structured_output:
+            return
+        ready, failed = self.structured_output.take_compiled()
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._grammar_failures.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="abort", error=error)
+            )
 
     def _admit_waiting(
         self,
@@ -450,6 +481,9 @@ class Scheduler:
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.grammar_bitmask = self.structured_output.bitmask(
+            scheduled_new + scheduled_running, num_scheduled
+        )
         return output
 
     # -- update ------------------------------------------------------------------------------
@@ -462,7 +496,7 @@ class Scheduler:
         Returns:
             One `EngineCoreOutput` per request that received tokens this step.
         """
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -484,6 +518,9 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_seq_len):
                     break
+            grammar_error = self.structured_output.accept(request, new_token_ids)
+            if grammar_error is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
             logprobs = model_runner_output.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.sampled_token_ranks) > len(new_token_ids):
                 logprobs = logprobs.head(len(new_token_ids))
@@ -496,6 +533,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    error=grammar_error,
                 )
             )
             request.prompt_logprobs_rows = None
@@ -552,7 +590,9 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.remote_kv.parked),
+            num_waiting_reqs=len(self.waiting)
+            + len(self.remote_kv.parked)
+            + len(self.structured_output),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,

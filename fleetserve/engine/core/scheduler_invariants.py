@@ -17,12 +17,14 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
     """Assert the container and KV invariants of `scheduler` (cheap: tests run it every step)."""
     running_ids = [r.request_id for r in scheduler.running]
     waiting_ids = [r.request_id for r in scheduler.waiting]
-    parked_ids = list(scheduler.remote_kv.parked)
+    parked_ids = list(scheduler.remote_kv.parked) + list(scheduler.structured_output.waiting)
     assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
     assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
     assert sorted(running_ids + waiting_ids + parked_ids) == sorted(scheduler.requests), (
         "running + waiting + parked differ from the live requests"
     )
+    for compiling in scheduler.structured_output.waiting.values():
+        assert compiling.status == RequestStatus.WAITING_FOR_GRAMMAR, compiling
     for parked in scheduler.remote_kv.parked.values():
         assert parked.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, parked
     assert not set(scheduler.remote_kv.held) & set(scheduler.requests), "a live request is held"

@@ -7,7 +7,8 @@ does not crash, it is silently wrong:
 
 1. snapshot the RAW logprobs (log_softmax of the float32 logits): these are what logprobs report;
 2. cast to float32 (a copy: the caller's logits are never modified);
-3. allowed-token mask → logit_bias → min_tokens (block EOS / stop ids) → penalties;
+3. allowed-token mask → grammar bitmask (structured output) → logit_bias → min_tokens (block
+   EOS / stop ids) → penalties;
 4. greedy rows take the argmax of the processed logits; random rows go through temperature →
    min_p → top-k / top-p and are drawn with the exponential race `argmax(probs / q)`, q ~ Exp(1);
 5. logprobs: the sampled token first, then the top-k of the raw distribution (or all of it).
@@ -21,6 +22,7 @@ import torch
 
 from fleetserve.engine.core.outputs import LogprobsLists
 from fleetserve.engine.sampling_params import SAMPLING_EPS, SamplingParams
+from fleetserve.engine.structured_output.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -48,6 +50,9 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None  # [num_reqs, vocab_size] bool, True = NOT allowed
     min_tokens: dict[int, tuple[int, set[int]]]
     """Row → (min_tokens, ids blocked while fewer outputs exist: EOS + stop_token_ids)."""
+    grammar_bitmask: torch.Tensor | None = None
+    """[num_reqs, ceil(vocab / 32)] int32, bit set = allowed (all ones for unconstrained rows);
+    None when no row is constrained (see `fleetserve.engine.structured_output`)."""
 
 
 @dataclass
@@ -224,6 +229,8 @@ class Sampler(torch.nn.Module):
         logits = logits.to(dtype=torch.float32, copy=True)
         if metadata.allowed_token_ids_mask is not None:
             logits.masked_fill_(metadata.allowed_token_ids_mask, float("-inf"))
+        if metadata.grammar_bitmask is not None:
+            apply_token_bitmask(logits, metadata.grammar_bitmask)
         _apply_logit_bias(logits, metadata.logit_bias)
         _apply_min_tokens(logits, metadata)
         if not metadata.no_penalties:

@@ -39,6 +39,8 @@ from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sa
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.loader import load_model
+from fleetserve.engine.structured_output.bitmask import batch_bitmask
+from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import InputPreparer, StepInputs, cdiv
@@ -224,7 +226,9 @@ class ModelRunner:
             # NOTE: only the last pipeline stage samples; the others learn the tokens from the
             # scheduler's deltas next step (`_sync_tokens`).
             if hidden_states is not None:
-                sampled, logprobs = self._sample(inputs, hidden_states)
+                sampled, logprobs = self._sample(
+                    inputs, hidden_states, scheduler_output.grammar_bitmask
+                )
                 prompt = prompt_logprobs(
                     model,
                     hidden_states,
@@ -248,7 +252,10 @@ class ModelRunner:
         )
 
     def _sample(
-        self, inputs: StepInputs, hidden_states: torch.Tensor
+        self,
+        inputs: StepInputs,
+        hidden_states: torch.Tensor,
+        grammar_bitmask: GrammarBitmask | None = None,
     ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
         """Sample the requests that complete their tokens; append each token to its state."""
         assert self.model is not None
@@ -258,7 +265,11 @@ class ModelRunner:
             return sampled, logprobs
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
-        output = self.sampler(logits, self._sampling_metadata(states))
+        metadata = self._sampling_metadata(states)
+        metadata.grammar_bitmask = batch_bitmask(
+            grammar_bitmask, [s.req_id for s in states], self.device
+        )
+        output = self.sampler(logits, metadata)
         for row, (state, token_id) in enumerate(
             zip(states, output.sampled_token_ids.tolist(), strict=True)
         ):
