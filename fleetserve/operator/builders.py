@@ -33,8 +33,10 @@ __all__ = [
     "ROUTER_PORT",
     "Owner",
     "build_children",
+    "build_group",
     "build_group_service",
     "build_group_statefulset",
+    "build_router_children",
     "build_router_config",
     "build_router_deployment",
     "build_router_role",
@@ -246,6 +248,7 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
     Raises:
         ValueError: the roles' compatibility hashes differ (`compatibility_hash`).
     """
+    compatibility_hash(spec)  # roles that can never pair are a spec problem
     r = spec.router
     present = {name for name, _ in spec.roles.items()}
 
@@ -262,7 +265,10 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         prefill_selector=selector("prefill"),
         decode_selector=selector("decode"),
         unified_selector=selector("unified"),
-        compatibility_hash=compatibility_hash(spec),
+        # NOTE: no single hash: during a roll that changes it, both revisions' pods must stay
+        # visible (the router pairs prefill and decode only within one hash), or a router
+        # would lose its engines when the old revision drains.
+        compatibility_hash=None,
         # The router hashes prompts in the engines' blocks; another size would match no prefix.
         block_size=spec.model.block_size,
         engine_port=ENGINE_PORT,
@@ -332,8 +338,35 @@ def build_router_service(owner: Owner) -> dict[str, Any]:
     }
 
 
+def build_group(
+    spec: InferenceDeploymentSpec, owner: Owner, role_name: str, role: Role, index: int
+) -> list[dict[str, Any]]:
+    """One replica group's objects: its headless Service, then its StatefulSet.
+
+    Raises:
+        ValueError: an unsupported model URI.
+    """
+    return [
+        build_group_service(owner, role_name, index),
+        build_group_statefulset(spec, owner, role_name, role, index),
+    ]
+
+
+def build_router_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+    """The router's objects, in apply order (identity and RBAC, Deployment, Service)."""
+    return [
+        build_router_service_account(owner),
+        build_router_role(owner),
+        build_router_role_binding(owner),
+        build_router_deployment(spec, owner),
+        build_router_service(owner),
+    ]
+
+
 def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
-    """Every child object, in apply order (engine groups first, router last).
+    """Every child of a fresh deployment, in apply order: groups 0..replicas-1 of each role,
+    then the router. (Live deployments keep the group indices they have:
+    `fleetserve.operator.roll` picks the indices of new groups.)
 
     Raises:
         ValueError: a spec the operator cannot realise (an unsupported model URI, or roles whose
@@ -343,13 +376,5 @@ def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str
     children: list[dict[str, Any]] = []
     for role_name, role in spec.roles.items():
         for i in range(role.replicas):
-            children.append(build_group_service(owner, role_name, i))
-            children.append(build_group_statefulset(spec, owner, role_name, role, i))
-    children += [
-        build_router_service_account(owner),
-        build_router_role(owner),
-        build_router_role_binding(owner),
-        build_router_deployment(spec, owner),
-        build_router_service(owner),
-    ]
-    return children
+            children += build_group(spec, owner, role_name, role, i)
+    return children + build_router_children(spec, owner)

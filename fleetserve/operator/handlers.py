@@ -54,6 +54,10 @@ def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
     key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
     with state.lock_for(key):
         result = reconcile(_kube(state), body)
+    if result.requeue_after_s is not None:  # a drain in progress: look again soon
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        state.retries.later(f"requeue {key}", result.requeue_after_s,
+                            lambda: _reconcile(state, ns, name))  # fmt: skip
     generation = int(body["metadata"].get("generation", 1))
     for kind, reason, message in result.events:
         if kind == "Warning":
