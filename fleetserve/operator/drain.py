@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -80,6 +80,12 @@ class DrainingGroup:
     index: int
     since: datetime
     reason: str
+    timeout_s: float
+
+    @property
+    def deadline(self) -> datetime:
+        """When the timeout ends the drain (never before the settle time)."""
+        return self.since + timedelta(seconds=max(self.timeout_s, DRAIN_SETTLE_S))
 
 
 def drain_annotations(since: str | None, reason: str | None) -> dict[str, str | None]:
@@ -183,47 +189,22 @@ def drain_progress(
     return ("timed-out" if age >= timeout_s else "draining"), count
 
 
-def draining_condition(
-    draining: Sequence[DrainingGroup],
-    finished: Sequence[tuple[str, int, DrainState]],
-    previous: dict[str, Any] | None,
-) -> Condition:
-    """The `Draining` condition: True while groups drain (which, why, since when); False once
-    none does, saying how the last drain ended (`DrainTimedOut` when a timeout cut it short).
+def draining_condition(draining: Sequence[DrainingGroup]) -> Condition:
+    """The `Draining` condition, from the groups draining now: True naming each one, why, since
+    when and the deadline its timeout sets; False when none drains. (How a drain ended is an
+    event, `Drained` or the Warning `DrainTimedOut`: a condition computed from a pass that
+    started from an older event body could not keep it reliably.)"""
+    if not draining:
+        return Condition(
+            type="Draining", status="False", reason="NoDrain", message="no group drains"
+        )
+    parts = [
+        f"{g.role} group {g.index} ({g.reason}) since {_stamp(g.since)},"
+        f" deleted by {_stamp(g.deadline)} at the latest"
+        for g in sorted(draining, key=lambda g: (g.role, g.index))
+    ]
+    return Condition(type="Draining", status="True", reason="Draining", message="; ".join(parts))
 
-    Args:
-        finished: (role, index, state) of the groups deleted in this pass.
-        previous: the current `Draining` condition, kept when nothing drains or ended now.
-    """
-    if draining:
-        parts = [
-            f"{g.role} group {g.index} ({g.reason}) since {g.since.strftime('%Y-%m-%dT%H:%M:%SZ')}"
-            for g in sorted(draining, key=lambda g: (g.role, g.index))
-        ]
-        return Condition(
-            type="Draining", status="True", reason="Draining", message="; ".join(parts)
-        )
-    if finished:
-        cut = [f"{role} group {i}" for role, i, state in finished if state == "timed-out"]
-        clean = [f"{role} group {i}" for role, i, state in finished if state == "drained"]
-        if cut:
-            message = f"{', '.join(cut)} deleted when the drain timed out"
-            if clean:
-                message += f"; {', '.join(clean)} drained"
-            return Condition(
-                type="Draining", status="False", reason="DrainTimedOut", message=message
-            )
-        return Condition(
-            type="Draining",
-            status="False",
-            reason="Drained",
-            message=f"{', '.join(clean)} drained with nothing in flight",
-        )
-    if previous and previous.get("status") == "False":
-        return Condition(
-            type="Draining",
-            status="False",
-            reason=str(previous.get("reason") or "NoDrain"),
-            message=str(previous.get("message") or ""),
-        )
-    return Condition(type="Draining", status="False", reason="NoDrain", message="no group drains")
+
+def _stamp(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

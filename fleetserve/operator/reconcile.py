@@ -182,17 +182,7 @@ def _converge(
     # The number of groups each role should have now (the autoscaler's, once it decides).
     replicas = {name: role.replicas for name, role in spec.roles.items()}
     previous = body.get("status") or {}
-    groups = converge_groups(
-        kube,
-        spec,
-        owner,
-        live,
-        replicas,
-        _parse_time(now),
-        previous_condition=next(
-            (c for c in previous.get("conditions") or [] if c.get("type") == "Draining"), None
-        ),
-    )
+    groups = converge_groups(kube, spec, owner, live, replicas, _parse_time(now))
     result.events += groups.events
     if groups.draining:
         result.requeue_after_s = DRAIN_POLL_S

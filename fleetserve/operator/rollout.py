@@ -145,14 +145,12 @@ def converge_groups(
     replicas: dict[str, int],
     now: datetime,
     probe: Probe = probe_leader,
-    previous_condition: dict[str, Any] | None = None,
 ) -> GroupsOutcome:
     """Converge every role's groups one step (module docstring).
 
     Args:
         live: the deployment's children by (kind, name).
         replicas: role → the number of groups it should have now.
-        previous_condition: the status's current `Draining` condition, if any.
     """
     p = _Pass(kube, owner, now, probe, live)
     roles = dict(spec.roles.items())
@@ -190,11 +188,10 @@ def converge_groups(
     }
     # A roll waits while any role's new groups are not ready, so revisions change together.
     hold = any(v.current and not v.draining and not v.ready for vs in views.values() for v in vs)
-    finished: list[tuple[str, int, DrainState]] = []
     for name, role in roles.items():
         plan = plan_role(views[name], replicas[name], role.max_surge, hold_roll=hold)
-        finished += _act(p, spec, name, groups[name], plan)
-    p.out.condition = draining_condition(p.out.draining, finished, previous_condition)
+        _act(p, spec, name, groups[name], plan)
+    p.out.condition = draining_condition(p.out.draining)
     return p.out
 
 
@@ -204,11 +201,10 @@ def _act(
     role_name: str,
     groups: dict[int, _Group],
     plan: RolePlan,
-) -> list[tuple[str, int, DrainState]]:
-    """Carry out one role's plan; returns the groups whose drain ended (deleted)."""
+) -> None:
+    """Carry out one role's plan."""
     ns, out = p.owner.namespace, p.out
     role = dict(spec.roles.items())[role_name]
-    finished = []
     for index in plan.delete:
         g = groups.pop(index)
         name = group_name(p.owner.name, role_name, index)
@@ -216,7 +212,6 @@ def _act(
             p.kube.delete(kind, ns, name)
             out.owned.add((kind, name))
         assert g.progress is not None and g.since is not None
-        finished.append((role_name, index, g.progress))
         age = (p.now - g.since).total_seconds()
         if g.progress == "drained":
             out.events.append(("Normal", "Drained", f"deleted {name} ({g.reason}): nothing in"
@@ -247,7 +242,9 @@ def _act(
         for obj in g.rendered:
             out.owned.add((obj["kind"], obj["metadata"]["name"]))
         if g.since is not None:
-            out.draining.append(DrainingGroup(role_name, index, g.since, g.reason))
+            out.draining.append(
+                DrainingGroup(role_name, index, g.since, g.reason, role.drain_timeout_seconds)
+            )
             continue
         out.groups.setdefault(role_name, {})[index] = g.state
         out.desired_hashes[(role_name, index)] = _hash(g.rendered[1])
@@ -261,4 +258,3 @@ def _act(
             found = p.live.get((obj["kind"], obj["metadata"]["name"]))
             if found is None or not is_subset(fields, found):
                 p.kube.apply(obj)
-    return finished

@@ -5,6 +5,7 @@ HTTP), and the Draining condition."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -138,20 +139,41 @@ def test_an_engine_that_does_not_listen_has_nothing_in_flight() -> None:
     assert probe_leader([_pod(ip=None)], port) == 0
 
 
-def test_the_draining_condition_says_what_why_since_and_how_it_ended() -> None:
-    groups = [DrainingGroup("decode", 1, T0, "scale-down"), DrainingGroup("prefill", 0, T0, "roll")]
-    c = draining_condition(groups, [], None)
+def test_the_draining_condition_says_what_why_since_and_until_when() -> None:
+    groups = [
+        DrainingGroup("prefill", 0, T0, "roll", 600),
+        DrainingGroup("decode", 1, T0, "scale-down", 0),
+    ]
+    c = draining_condition(groups)
     assert (c.status, c.reason) == ("True", "Draining")
     assert c.message == (
-        "decode group 1 (scale-down) since 2026-12-01T12:00:00Z;"
-        " prefill group 0 (roll) since 2026-12-01T12:00:00Z"
+        "decode group 1 (scale-down) since 2026-12-01T12:00:00Z, deleted by"
+        " 2026-12-01T12:00:05Z at the latest;"
+        " prefill group 0 (roll) since 2026-12-01T12:00:00Z, deleted by"
+        " 2026-12-01T12:10:00Z at the latest"
     )
-    c = draining_condition([], [("decode", 1, "timed-out"), ("prefill", 0, "drained")], None)
-    assert (c.status, c.reason) == ("False", "DrainTimedOut")
-    assert c.message == "decode group 1 deleted when the drain timed out; prefill group 0 drained"
-    c = draining_condition([], [("decode", 1, "drained")], None)
-    assert (c.status, c.reason) == ("False", "Drained")
-    # Nothing drains and nothing ended now: the last outcome stays.
-    kept = draining_condition([], [], c.model_dump(by_alias=True))
-    assert (kept.reason, kept.message) == (c.reason, c.message)
-    assert draining_condition([], [], None).reason == "NoDrain"
+    c = draining_condition([])
+    assert (c.status, c.reason, c.message) == ("False", "NoDrain", "no group drains")
+
+
+def test_a_draining_deployment_is_reconciled_again_by_a_timer_no_success_cancels() -> None:
+    """`Retries.later` (how the handlers requeue a deployment while a group drains): it runs
+    once after its delay, a newer one replaces it, and the same key's successful work (the
+    reconcile that asked for it) does not cancel it."""
+    from fleetserve.operator.retries import Retries
+
+    retries = Retries()
+    ran: list[str] = []
+    done = threading.Event()
+    try:
+        retries.later("requeue ns/x", 0.05, lambda: ran.append("old"))
+        retries.later("requeue ns/x", 0.05, lambda: (ran.append("new"), done.set()))
+        retries.run("requeue ns/x", lambda: None)  # a success of that key
+        assert done.wait(5)
+        time.sleep(0.1)
+        assert ran == ["new"]
+    finally:
+        retries.close()
+    retries.later("requeue ns/x", 0.01, lambda: ran.append("after close"))
+    time.sleep(0.05)
+    assert ran == ["new"]

@@ -1,0 +1,223 @@
+"""KV-safe drain on the dev cluster's local node (issue 18 acceptance 2): real CPU engines
+(the SmolLM2 sample) behind the operator's router, streaming load through the router, and a
+scale-down of both roles (2 → 1 groups each) in the middle of it. Every stream must end with
+its finish reason and `[DONE]`, no error event and no broken connection; the removed groups are
+drained (the router stops sending to them, the operator waits until their requests and producer
+leases are gone) and deleted without the timeout cutting them short.
+
+`StreamLoad` is the load both this test and test_roll_k8s.py drive.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fleetserve.api.labels import LABEL_DRAINING
+from fleetserve.engine.models.bundled import bundled_model_path
+from tests.devcluster.helpers import poll
+from tests.fleet.prometheus import scrape, total
+from tests.test_operator.helpers import OperatorEnv
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.router]
+
+ROOT = Path(__file__).resolve().parents[2]
+SEL = "fleetserve.io/deployment"
+
+
+def cpu_sample(prefill: int, decode: int) -> dict[str, Any]:
+    """The CPU SmolLM2 sample with this machine's model folder and interpreter (as in
+    test_cpu_sample_k8s), small CPU requests (a roll's surge must fit the local node) and the
+    given group counts."""
+    doc: dict[str, Any] = yaml.safe_load(
+        (ROOT / "manifests" / "samples" / "cpu-smollm2.yaml").read_text()
+    )
+    doc["spec"]["model"]["source"]["uri"] = str(bundled_model_path())
+    doc["spec"]["engine"]["command"] = [sys.executable, "-m", "fleetserve"]
+    doc["spec"]["engine"]["cpu"] = "300m"
+    doc["spec"]["roles"]["prefill"]["replicas"] = prefill
+    doc["spec"]["roles"]["decode"]["replicas"] = decode
+    return doc
+
+
+def live_pods(env: OperatorEnv, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+    got = env.get("pod", ns, selector=f"{SEL}={name},fleetserve.io/role={role}") or {"items": []}
+    return [p for p in got["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (pod.get("status") or {}).get("conditions", [])
+    )
+
+
+def status(env: OperatorEnv, ns: str, name: str) -> dict[str, Any]:
+    return (env.get("inferencedeployment", ns, name) or {}).get("status") or {}
+
+
+def condition(st: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions", []) if c["type"] == kind), {})
+
+
+def event_reasons(env: OperatorEnv, ns: str) -> list[tuple[str, str]]:
+    events = (env.get("events", ns) or {"items": []})["items"]
+    return [(e["reason"], e.get("message", "")) for e in events]
+
+
+class StreamLoad:
+    """`workers` threads, each sending streaming chat completions to `host:port` one after the
+    other until stopped. A request succeeds only when its stream carries no error event, its
+    last choice has a finish reason and it ends with `data: [DONE]`."""
+
+    def __init__(self, host: str, port: int, workers: int = 3, max_tokens: int = 24) -> None:
+        self.host, self.port, self.max_tokens = host, port, max_tokens
+        self.ok = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)
+        ]
+
+    def start(self) -> StreamLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in self._threads), "a request hung"
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            problem = self._one(f"Request {worker}-{n}: write one line about the number {n}.")
+            with self._lock:
+                if problem is None:
+                    self.ok += 1
+                else:
+                    self.errors.append(problem)
+
+    def _one(self, content: str) -> str | None:
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            if resp.status != 200:
+                return f"{content!r}: HTTP {resp.status} {resp.read()[:300]!r}"
+            finish, done = None, False
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line.removeprefix("data:").strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return f"{content!r}: error event {chunk['error']}"
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+            if not done or finish is None:
+                return f"{content!r}: stream cut (done={done}, finish_reason={finish})"
+            return None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            return f"{content!r}: {exc!r}"
+        finally:
+            conn.close()
+
+
+def router_address(env: OperatorEnv, ns: str, name: str) -> tuple[str, int]:
+    (router,) = live_pods(env, ns, name, "router")
+    return router["status"]["podIP"], 8080
+
+
+def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> None:
+    env = operator_env
+    doc = cpu_sample(prefill=2, decode=2)
+    name = doc["metadata"]["name"]
+    ns = env.new_namespace("drain")
+    load: StreamLoad | None = None
+    try:
+        env.apply(ns, doc)
+        poll("Ready", lambda: status(env, ns, name).get("phase") == "Ready",
+             timeout_s=420, interval_s=1)  # fmt: skip
+        engines = {
+            role: [f"http://{p['status']['podIP']}:8000" for p in live_pods(env, ns, name, role)]
+            for role in ("prefill", "decode")
+        }
+        assert [len(v) for v in engines.values()] == [2, 2]
+        load = StreamLoad(*router_address(env, ns, name)).start()
+
+        def every_engine_served() -> bool:
+            return all(
+                total(scrape(u), "vllm:prompt_tokens") > 0
+                for urls in engines.values()
+                for u in urls
+            )
+
+        # Both groups of each role carry traffic, so removing one removes a busy engine.
+        poll("every engine served", every_engine_served, timeout_s=240, interval_s=1)
+        served_before = load.ok
+        env.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", json.dumps(
+            {"spec": {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}}))  # fmt: skip
+        seen_draining: set[str] = set()
+        seen_condition: list[str] = []
+
+        def one_group_each() -> bool:
+            draining = condition(status(env, ns, name), "Draining")
+            if draining.get("status") == "True":
+                seen_condition.append(draining["message"])
+            groups = {}
+            for role in ("prefill", "decode"):
+                pods = live_pods(env, ns, name, role)
+                seen_draining.update(
+                    p["metadata"]["name"] for p in pods if LABEL_DRAINING in p["metadata"]["labels"]
+                )
+                items = env.get(
+                    "statefulset", ns, selector=f"{SEL}={name},fleetserve.io/role={role}"
+                )
+                groups[role] = len(items["items"])
+            return groups == {"prefill": 1, "decode": 1}
+
+        poll("the drained groups deleted", one_group_each, timeout_s=300, interval_s=0.5)
+        time.sleep(5)  # the load goes on against what is left
+        load.stop()
+        assert load.errors == [], load.errors[:5]
+        assert load.ok > served_before, "no request completed during the scale-down"
+        assert len(seen_draining) == 2, seen_draining
+        st = status(env, ns, name)
+        assert condition(st, "Draining")["status"] == "False"
+        assert seen_condition, "the Draining condition never named the draining groups"
+        reasons = event_reasons(env, ns)
+        assert sum(r == "Drained" for r, _ in reasons) == 2, reasons
+        assert not [m for r, m in reasons if r == "DrainTimedOut"]
+        assert (
+            st["roles"]["prefill"]["readyReplicas"] == st["roles"]["decode"]["readyReplicas"] == 1
+        )
+    finally:
+        if load is not None:
+            load.stop()
+        env.kubectl("delete", "infd", "-n", ns, name, "--wait=false", check=False)
+        env.delete_namespace(ns)
