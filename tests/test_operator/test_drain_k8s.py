@@ -168,7 +168,7 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
             for role in ("prefill", "decode")
         }
         assert [len(v) for v in engines.values()] == [2, 2]
-        load = StreamLoad(*router_address(env, ns, name)).start()
+        load = StreamLoad(*router_address(env, ns, name), workers=4, max_tokens=48).start()
 
         def every_engine_served() -> bool:
             return all(
@@ -182,6 +182,25 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
         served_before = load.ok
         env.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", json.dumps(
             {"spec": {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}}))  # fmt: skip
+        # The groups that drain (group 1 of each role) were busy when the drain began: what was
+        # in flight on them must finish there, not be cut.
+        victims = {
+            role: next(
+                f"http://{p['status']['podIP']}:8000"
+                for p in live_pods(env, ns, name, role)
+                if p["metadata"]["labels"]["fleetserve.io/group"] == "1"
+            )
+            for role in ("prefill", "decode")
+        }
+        in_flight_at_mark = sum(
+            total(scrape(url), metric)
+            for url in victims.values()
+            for metric in (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "fleetserve:kv_active_leases",
+            )
+        )
         seen_draining: set[str] = set()
         seen_condition: list[str] = []
 
@@ -207,6 +226,7 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
         assert load.errors == [], load.errors[:5]
         assert load.ok > served_before, "no request completed during the scale-down"
         assert len(seen_draining) == 2, seen_draining
+        assert in_flight_at_mark >= 1, "nothing was in flight on the drained groups"
         st = status(env, ns, name)
         assert condition(st, "Draining")["status"] == "False"
         assert seen_condition, "the Draining condition never named the draining groups"
