@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 ROUTER_PORT = 8080
+ROUTER_SHUTDOWN_DELAY_S = 3.0
+"""How long a stopping router stays unready but serving, so the Service's endpoints (and the
+clients that resolved it) stop sending before its listener closes."""
 
 ROUTER_POD_RULES: tuple[dict[str, list[str]], ...] = (
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
@@ -256,6 +260,7 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         return role_selector(owner.name, role) if role in present else None
 
     return RouterConfig(
+        shutdown_delay_s=ROUTER_SHUTDOWN_DELAY_S,
         mode=r.disaggregation.mode,
         min_uncached_tokens=r.disaggregation.min_uncached_tokens,
         prefix_aware=r.prefix_aware,
@@ -284,14 +289,19 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
 
     Its pods run as the router's ServiceAccount (Kubernetes discovery watches the engine pods
     with it) and are ready once `/health` answers 200, which the router does only after one
-    real generation went through an engine.
+    real generation went through an engine. A roll (an image change) starts the new router and
+    waits for it to be ready before stopping an old one (`maxUnavailable: 0`), and an old one
+    finishes its streams before it exits (`fleetserve.router.serve`; the grace period covers
+    its unready delay and its wait for requests in flight).
     """
     labels = _router_labels()
+    config = build_router_config(spec, owner)
+    grace_s = math.ceil(config.shutdown_delay_s + config.shutdown_grace_s) + 5
     container = {
         "name": "router",
         "image": spec.engine.image,
         "command": list(spec.engine.command),
-        "args": ["router", *build_router_config(spec, owner).to_args()],
+        "args": ["router", *config.to_args()],
         "env": [
             {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         ],
@@ -304,6 +314,7 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(owner.name),
+        "terminationGracePeriodSeconds": grace_s,
         "containers": [container],
     }
     if spec.router.node_selector:
@@ -317,6 +328,10 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
         "metadata": owner.meta(router_name(owner.name), labels),
         "spec": {
             "replicas": spec.router.replicas,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": selector}, "spec": pod_spec},
         },

@@ -534,6 +534,18 @@ def test_the_router_is_ready_when_its_health_answers() -> None:
     assert c["ports"] == [{"name": "http", "containerPort": 8080}]
 
 
+def test_a_router_roll_starts_the_new_one_first_and_lets_the_old_one_finish() -> None:
+    router = build_router_deployment(_sample("dense-pd.yaml"), OWNER)
+    assert router["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    args = RouterConfig.from_args(_router_parser().parse_args(_container(router)["args"][1:]))
+    assert args.shutdown_delay_s > 0, "a stopping router must stay serving while endpoints update"
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > args.shutdown_delay_s + args.shutdown_grace_s
+
+
 def test_the_router_block_sets_the_router_flags_and_placement() -> None:
     spec = _spec(
         router={

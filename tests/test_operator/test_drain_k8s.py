@@ -10,11 +10,13 @@ leases are gone) and deleted without the timeout cutting them short.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +80,21 @@ class StreamLoad:
     other until stopped. A request succeeds only when its stream carries no error event, its
     last choice has a finish reason and it ends with `data: [DONE]`."""
 
-    def __init__(self, host: str, port: int, workers: int = 3, max_tokens: int = 24) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        workers: int = 3,
+        max_tokens: int = 24,
+        resolve: Callable[[], list[tuple[str, int]]] | None = None,
+    ) -> None:
+        """`resolve`, if given, is called every 0.3 s for the addresses to use (as a Service's
+        endpoints: the ready pods not being deleted); each request takes the next one."""
         self.host, self.port, self.max_tokens = host, port, max_tokens
+        self._resolve = resolve
+        self._addresses = [(host, port)]
+        self._turn = 0
+        self.addresses_seen: set[tuple[str, int]] = {(host, port)}
         self.ok = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -89,9 +104,25 @@ class StreamLoad:
         ]
 
     def start(self) -> StreamLoad:
+        if self._resolve is not None:
+            self._threads.append(threading.Thread(target=self._resolver, daemon=True))
         for t in self._threads:
             t.start()
         return self
+
+    def _resolver(self) -> None:
+        assert self._resolve is not None
+        while not self._stop.wait(0.3):
+            with contextlib.suppress(Exception):  # a failed lookup keeps the last endpoints
+                if addresses := self._resolve():
+                    with self._lock:
+                        self._addresses = addresses
+                        self.addresses_seen |= set(addresses)
+
+    def _address(self) -> tuple[str, int]:
+        with self._lock:
+            self._turn += 1
+            return self._addresses[self._turn % len(self._addresses)]
 
     def stop(self) -> None:
         self._stop.set()
@@ -118,7 +149,7 @@ class StreamLoad:
             "temperature": 0.0,
             "stream": True,
         }
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        conn = http.client.HTTPConnection(*self._address(), timeout=120)
         try:
             conn.request("POST", "/v1/chat/completions", json.dumps(body),
                          {"Content-Type": "application/json"})  # fmt: skip
@@ -151,6 +182,13 @@ class StreamLoad:
 def router_address(env: OperatorEnv, ns: str, name: str) -> tuple[str, int]:
     (router,) = live_pods(env, ns, name, "router")
     return router["status"]["podIP"], 8080
+
+
+def router_endpoints(env: OperatorEnv, ns: str, name: str) -> list[tuple[str, int]]:
+    """The router Service's endpoints as kube-proxy would use them: its ready pods that are
+    not being deleted (the dev cluster has no Service proxy)."""
+    return [(p["status"]["podIP"], 8080) for p in live_pods(env, ns, name, "router")
+            if pod_ready(p)]  # fmt: skip
 
 
 def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> None:

@@ -1,10 +1,13 @@
 """A roll without a gap on the dev cluster's local node (issue 18 acceptance 4): the CPU SmolLM2
-sample with one group per role, streaming load through the operator's router, and a change of
-the pod template that also changes the KV compatibility hash (`engine.version`), so the old
-and new revisions cannot exchange KV. The operator surges a new group per role, drains the old
-ones only once both new ones are ready, and the router pairs prefill and decode within one
-revision. Polled throughout: each role always has a ready group that is not draining (from the
-pods) and a ready group in the status. No request fails or is cut, and the new revision serves.
+sample with one group per role, streaming load through the operator's router, and an image
+roll (`engine.image`), which changes the KV compatibility hash, so the old and new revisions
+cannot exchange KV, and rolls the router Deployment too. The operator surges a new group per
+role, drains the old ones only once both new ones are ready, and the router pairs prefill and
+decode within one revision; the new router is ready before the old one stops, and the old one
+finishes its streams (`fleetserve.router.serve`). Clients reach the routers as a Service would
+send them (its ready pods not being deleted). Polled throughout: each role always has a ready
+group that is not draining (from the pods) and a ready group in the status. No request fails
+or is cut, and the new revision serves.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tests.test_operator.test_drain_k8s import (
     live_pods,
     pod_ready,
     router_address,
+    router_endpoints,
     status,
 )
 
@@ -60,13 +64,16 @@ def test_a_roll_under_load_keeps_a_ready_group_per_role_and_fails_no_request(
         poll("Ready", lambda: status(env, ns, name).get("phase") == "Ready",
              timeout_s=420, interval_s=1)  # fmt: skip
         old = role_compatibility_hashes(InferenceDeploymentSpec.model_validate(doc["spec"]))
-        doc["spec"]["engine"]["version"] = "0.1.1"
+        doc["spec"]["engine"]["image"] = "fleetserve:dev-2"
         new = role_compatibility_hashes(InferenceDeploymentSpec.model_validate(doc["spec"]))
         assert old["decode"] != new["decode"], "the roll must change the KV hash"
-        load = StreamLoad(*router_address(env, ns, name)).start()
+        (old_router,) = live_pods(env, ns, name, "router")
+        load = StreamLoad(
+            *router_address(env, ns, name), resolve=lambda: router_endpoints(env, ns, name)
+        ).start()
         poll("requests served before the roll", lambda: load.ok >= 3, timeout_s=240)
         env.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p",
-                    json.dumps({"spec": {"engine": {"version": "0.1.1"}}}))  # fmt: skip
+                    json.dumps({"spec": {"engine": {"image": "fleetserve:dev-2"}}}))  # fmt: skip
         fewest = {"prefill": 9, "decode": 9}
         fewest_status = {"prefill": 9, "decode": 9}
         revisions_side_by_side = False
@@ -93,6 +100,16 @@ def test_a_roll_under_load_keeps_a_ready_group_per_role_and_fails_no_request(
             )
 
         poll("the roll", rolled, timeout_s=420, interval_s=0.25)
+
+        def router_rolled() -> bool:
+            routers = env.get("pod", ns, selector=f"fleetserve.io/deployment={name},"
+                              "fleetserve.io/role=router")["items"]  # fmt: skip
+            return len(routers) == 1 and (
+                routers[0]["spec"]["containers"][0]["image"] == "fleetserve:dev-2"
+                and pod_ready(routers[0])
+            )
+
+        poll("the router's roll", router_rolled, timeout_s=180, interval_s=0.5)
         served_at_roll_end = load.ok
         time.sleep(5)
         load.stop()
@@ -101,6 +118,10 @@ def test_a_roll_under_load_keeps_a_ready_group_per_role_and_fails_no_request(
         assert fewest_status == {"prefill": 1, "decode": 1}, fewest_status
         assert revisions_side_by_side, "the surge never served beside the old revision"
         assert load.ok > served_at_roll_end
+        (router,) = live_pods(env, ns, name, "router")
+        assert router["metadata"]["name"] != old_router["metadata"]["name"], "no router roll"
+        assert router["spec"]["containers"][0]["image"] == "fleetserve:dev-2"
+        assert len(load.addresses_seen) >= 2, "the load never went through the new router"
         (decode,) = live_pods(env, ns, name, "decode")
         assert decode["metadata"]["labels"][LABEL_COMPAT] == new["decode"]
         url = f"http://{decode['status']['podIP']}:8000"
