@@ -7,13 +7,17 @@ them. Values are documented where they are set (`fleetserve.operator.builders`).
 from __future__ import annotations
 
 __all__ = [
+    "ANNOTATION_DRAINING_SINCE",
+    "ANNOTATION_DRAIN_REASON",
     "ANNOTATION_TEMPLATE_HASH",
     "LABEL_COMPAT",
     "LABEL_DEPLOYMENT",
+    "LABEL_DRAINING",
     "LABEL_GROUP",
     "LABEL_POD_INDEX",
     "LABEL_ROLE",
     "ROUTER_ROLE",
+    "group_selector",
     "role_selector",
 ]
 
@@ -22,13 +26,24 @@ LABEL_DEPLOYMENT = "fleetserve.io/deployment"
 LABEL_ROLE = "fleetserve.io/role"
 """Engine groups and their pods: `prefill`, `decode` or `unified`; the router: `router`."""
 LABEL_GROUP = "fleetserve.io/group"
-"""Engine groups and their pods: the replica group's index within its role (0, 1, ...)."""
+"""Engine groups and their pods: the replica group's index, unique among its role's live groups.
+A new group (scale-up, or a roll's surge) takes the lowest free index, so after a roll the
+indices need not be 0..n-1."""
 LABEL_COMPAT = "fleetserve.io/compatibility-hash"
 """Engine pods: their role's KV compatibility hash (`fleetserve.api.compat`)."""
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 """Set by the StatefulSet controller on each pod: its ordinal, i.e. its rank within the group."""
 ANNOTATION_TEMPLATE_HASH = "fleetserve.io/template-hash"
-"""Group StatefulSets: digest of the rendered pod template (a change rolls the group)."""
+"""Group StatefulSets: digest of the rendered pod template. A group whose digest is not the one
+the spec renders now is replaced: a new group is surged, then the old one drained."""
+LABEL_DRAINING = "fleetserve.io/draining"
+"""Engine pods of a draining group: `true`. The router sends such a pod no new request; the
+operator deletes its group once nothing is in flight there (`fleetserve.operator.drain`)."""
+ANNOTATION_DRAINING_SINCE = "fleetserve.io/draining-since"
+"""Group StatefulSets being drained: when the drain began (RFC 3339, UTC). The drain's state
+lives here, so an operator that restarts resumes it, timeout included."""
+ANNOTATION_DRAIN_REASON = "fleetserve.io/drain-reason"
+"""Group StatefulSets being drained: why, `scale-down` or `roll` (events and status say it)."""
 
 ROUTER_ROLE = "router"
 """The `LABEL_ROLE` value of the router Deployment and Service."""
@@ -37,3 +52,8 @@ ROUTER_ROLE = "router"
 def role_selector(deployment: str, role: str) -> str:
     """Label selector of one role's pods (or the router's) of one InferenceDeployment."""
     return f"{LABEL_DEPLOYMENT}={deployment},{LABEL_ROLE}={role}"
+
+
+def group_selector(deployment: str, role: str, index: int) -> str:
+    """Label selector of one replica group's pods (or its StatefulSet and Service)."""
+    return f"{role_selector(deployment, role)},{LABEL_GROUP}={index}"

@@ -151,6 +151,18 @@ class Role(_Model):
     )
 
     replicas: int = Field(default=1, ge=0)
+    max_surge: int = Field(
+        default=1,
+        ge=1,
+        description="groups a roll may add above replicas (draining ones count) before it"
+        " drains the old ones",
+    )
+    drain_timeout_seconds: int = Field(
+        default=600,
+        ge=0,
+        description="how long a group being removed may finish its in-flight requests and"
+        " KV leases before it is deleted anyway",
+    )
     parallelism: Parallelism = Field(default_factory=Parallelism)
     gpus_per_pod: int = Field(default=1, ge=0, le=16)
     eplb: EPLB = Field(default_factory=EPLB)

@@ -126,6 +126,17 @@ class RouterConfig:
     breaker_cooldown_s: float = field(
         default=5.0, metadata=_meta("how long an open breaker waits before a probe")
     )
+    shutdown_delay_s: float = field(
+        default=0.0,
+        metadata=_meta(
+            "after SIGTERM: unready but still serving this long, so a Service's endpoints drop "
+            "the pod first (the operator sets it; 0 outside Kubernetes)"
+        ),
+    )
+    shutdown_grace_s: float = field(
+        default=25.0,
+        metadata=_meta("then, with the listener closed: longest wait for requests in flight"),
+    )
     prefix_cache_blocks: int = field(
         default=65536,
         metadata=_meta("block hashes remembered per decode engine (LRU) for prefix affinity"),
@@ -155,6 +166,9 @@ class RouterConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        for name in ("shutdown_delay_s", "shutdown_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         for name in ("prefill", "decode", "engine"):
             for url in getattr(self, name):
                 _check_url(name, url)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,10 @@ __all__ = [
     "ROUTER_PORT",
     "Owner",
     "build_children",
+    "build_group",
     "build_group_service",
     "build_group_statefulset",
+    "build_router_children",
     "build_router_config",
     "build_router_deployment",
     "build_router_role",
@@ -46,6 +49,9 @@ __all__ = [
 ]
 
 ROUTER_PORT = 8080
+ROUTER_SHUTDOWN_DELAY_S = 3.0
+"""How long a stopping router stays unready but serving, so the Service's endpoints (and the
+clients that resolved it) stop sending before its listener closes."""
 
 ROUTER_POD_RULES: tuple[dict[str, list[str]], ...] = (
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
@@ -246,6 +252,7 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
     Raises:
         ValueError: the roles' compatibility hashes differ (`compatibility_hash`).
     """
+    compatibility_hash(spec)  # roles that can never pair are a spec problem
     r = spec.router
     present = {name for name, _ in spec.roles.items()}
 
@@ -253,6 +260,7 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         return role_selector(owner.name, role) if role in present else None
 
     return RouterConfig(
+        shutdown_delay_s=ROUTER_SHUTDOWN_DELAY_S,
         mode=r.disaggregation.mode,
         min_uncached_tokens=r.disaggregation.min_uncached_tokens,
         prefix_aware=r.prefix_aware,
@@ -262,7 +270,10 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
         prefill_selector=selector("prefill"),
         decode_selector=selector("decode"),
         unified_selector=selector("unified"),
-        compatibility_hash=compatibility_hash(spec),
+        # NOTE: no single hash: during a roll that changes it, both revisions' pods must stay
+        # visible (the router pairs prefill and decode only within one hash), or a router
+        # would lose its engines when the old revision drains.
+        compatibility_hash=None,
         # The router hashes prompts in the engines' blocks; another size would match no prefix.
         block_size=spec.model.block_size,
         engine_port=ENGINE_PORT,
@@ -278,14 +289,19 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
 
     Its pods run as the router's ServiceAccount (Kubernetes discovery watches the engine pods
     with it) and are ready once `/health` answers 200, which the router does only after one
-    real generation went through an engine.
+    real generation went through an engine. A roll (an image change) starts the new router and
+    waits for it to be ready before stopping an old one (`maxUnavailable: 0`), and an old one
+    finishes its streams before it exits (`fleetserve.router.serve`; the grace period covers
+    its unready delay and its wait for requests in flight).
     """
     labels = _router_labels()
+    config = build_router_config(spec, owner)
+    grace_s = math.ceil(config.shutdown_delay_s + config.shutdown_grace_s) + 5
     container = {
         "name": "router",
         "image": spec.engine.image,
         "command": list(spec.engine.command),
-        "args": ["router", *build_router_config(spec, owner).to_args()],
+        "args": ["router", *config.to_args()],
         "env": [
             {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         ],
@@ -298,6 +314,7 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(owner.name),
+        "terminationGracePeriodSeconds": grace_s,
         "containers": [container],
     }
     if spec.router.node_selector:
@@ -311,6 +328,10 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
         "metadata": owner.meta(router_name(owner.name), labels),
         "spec": {
             "replicas": spec.router.replicas,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": selector}, "spec": pod_spec},
         },
@@ -332,8 +353,35 @@ def build_router_service(owner: Owner) -> dict[str, Any]:
     }
 
 
+def build_group(
+    spec: InferenceDeploymentSpec, owner: Owner, role_name: str, role: Role, index: int
+) -> list[dict[str, Any]]:
+    """One replica group's objects: its headless Service, then its StatefulSet.
+
+    Raises:
+        ValueError: an unsupported model URI.
+    """
+    return [
+        build_group_service(owner, role_name, index),
+        build_group_statefulset(spec, owner, role_name, role, index),
+    ]
+
+
+def build_router_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+    """The router's objects, in apply order (identity and RBAC, Deployment, Service)."""
+    return [
+        build_router_service_account(owner),
+        build_router_role(owner),
+        build_router_role_binding(owner),
+        build_router_deployment(spec, owner),
+        build_router_service(owner),
+    ]
+
+
 def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
-    """Every child object, in apply order (engine groups first, router last).
+    """Every child of a fresh deployment, in apply order: groups 0..replicas-1 of each role,
+    then the router. (Live deployments keep the group indices they have:
+    `fleetserve.operator.roll` picks the indices of new groups.)
 
     Raises:
         ValueError: a spec the operator cannot realise (an unsupported model URI, or roles whose
@@ -343,13 +391,5 @@ def build_children(spec: InferenceDeploymentSpec, owner: Owner) -> list[dict[str
     children: list[dict[str, Any]] = []
     for role_name, role in spec.roles.items():
         for i in range(role.replicas):
-            children.append(build_group_service(owner, role_name, i))
-            children.append(build_group_statefulset(spec, owner, role_name, role, i))
-    children += [
-        build_router_service_account(owner),
-        build_router_role(owner),
-        build_router_role_binding(owner),
-        build_router_deployment(spec, owner),
-        build_router_service(owner),
-    ]
-    return children
+            children += build_group(spec, owner, role_name, role, i)
+    return children + build_router_children(spec, owner)

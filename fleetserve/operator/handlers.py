@@ -51,9 +51,20 @@ def _kube(state: OperatorState) -> Kube:
 
 
 def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
-    key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    key = f"{ns}/{name}"
     with state.lock_for(key):
+        # NOTE: sync handlers run on a thread pool, so a pass for an older event can take the
+        # lock after a newer one: reconcile the object as it is now, or a stale spec would undo
+        # the newer pass (cancel the drain a scale-down began).
+        live = _kube(state).get("InferenceDeployment", ns, name)
+        if live is None or live["metadata"].get("deletionTimestamp"):
+            return
+        body = live
         result = reconcile(_kube(state), body)
+    if result.requeue_after_s is not None:  # a drain in progress: look again soon
+        state.retries.later(f"requeue {key}", result.requeue_after_s,
+                            lambda: _reconcile(state, ns, name))  # fmt: skip
     generation = int(body["metadata"].get("generation", 1))
     for kind, reason, message in result.events:
         if kind == "Warning":
@@ -66,15 +77,13 @@ def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
 
 def _reconcile_live(state: OperatorState, namespace: str, name: str) -> None:
     """Reconcile the deployment as it is now (nothing to do once it is gone or going)."""
-    body = _kube(state).get("InferenceDeployment", namespace, name)
-    if body is not None and not body["metadata"].get("deletionTimestamp"):
-        _reconcile_body(state, body)
+    _reconcile_body(state, {"metadata": {"namespace": namespace, "name": name}})
 
 
 def _reconcile(
     state: OperatorState, namespace: str, name: str, body: dict[str, Any] | None = None
 ) -> None:
-    """Reconcile now (from `body` when the event carried it); on failure retry the live object."""
+    """Reconcile now (the object as it is live, `_reconcile_body`); on failure retry later."""
 
     def live() -> None:
         _reconcile_live(state, namespace, name)

@@ -1,4 +1,5 @@
-"""Minimal raw Kubernetes client for the operator: get, list, server-side apply, delete.
+"""Minimal raw Kubernetes client for the operator: get, list, server-side apply, merge patch,
+delete.
 
 # NOTE: the generated client validates dict bodies against its models; server-side apply goes
 # through `call_api` with `application/apply-patch+yaml` (JSON is YAML) to avoid that.
@@ -138,6 +139,19 @@ class Kube:
             "PATCH",
             path,
             body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """JSON merge patch (None values remove keys) as FIELD_MANAGER. Used for marks that
+        the applied objects do not carry (a drain's label and annotations), so the next apply
+        leaves them alone."""
+        self.writes.append(f"PATCH {kind}/{name}")
+        query = urlencode({"fieldManager": FIELD_MANAGER})
+        self._call(
+            "PATCH",
+            resource_path(kind, namespace, name) + "?" + query,
+            body=patch,
             content_type="application/merge-patch+json",
         )
 

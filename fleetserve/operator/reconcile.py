@@ -1,8 +1,10 @@
 """Level-based reconcile of one InferenceDeployment: desired children vs live, then status.
 
 Idempotent: objects whose desired fields already hold on the live object are not written, so an
-unchanged resource costs only reads. Template changes roll one group at a time, and only while
-every other group of every role is ready and up to date (never both roles down at once).
+unchanged resource costs only reads. Replica groups are created, rolled and removed by
+`fleetserve.operator.rollout`: a template change surges a new group before the old one drains,
+and a group is removed only after a KV-safe drain (`fleetserve.operator.drain`); while one
+drains the pass asks to be run again soon (`ReconcileResult.requeue_after_s`).
 
 A spec the operator cannot realise ends the pass in phase Failed (`fleetserve.operator.errors`):
 the status says why, one Warning event is posted when it first says so, and since the status is
@@ -20,21 +22,23 @@ from typing import Any, TypeVar
 from kubernetes.client.exceptions import ApiException
 
 from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
-from fleetserve.api.labels import (
-    ANNOTATION_TEMPLATE_HASH,
-    LABEL_DEPLOYMENT,
-    LABEL_GROUP,
-    LABEL_ROLE,
-)
+from fleetserve.api.labels import LABEL_DEPLOYMENT, LABEL_GROUP, LABEL_ROLE
 from fleetserve.api.models import InferenceDeploymentSpec
-from fleetserve.operator.builders import Owner, build_children, router_name
+from fleetserve.operator.builders import (
+    Owner,
+    build_children,
+    build_router_children,
+    router_name,
+)
+from fleetserve.operator.diff import is_subset
+from fleetserve.operator.drain import DRAIN_POLL_S
 from fleetserve.operator.errors import SpecProblem, spec_problem
 from fleetserve.operator.kube import Kube
+from fleetserve.operator.rollout import converge_groups
 from fleetserve.operator.status import (
-    GroupState,
     compute_status,
     failed_status,
-    group_state,
+    merge_conditions,
     router_state,
 )
 from fleetserve.operator.transfer_checks import ClusterFacts, cluster_facts, transfer_warnings
@@ -66,29 +70,12 @@ class ReconcileResult:
     events: list[tuple[str, str, str]] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     status_written: bool = False
-
-
-def is_subset(desired: Any, live: Any) -> bool:
-    """True when every field of `desired` holds in `live` (server defaults may add more)."""
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(
-            k in live and is_subset(v, live[k]) for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(desired) == len(live)
-            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
-        )
-    return bool(desired == live)
+    requeue_after_s: float | None = None
+    """Reconcile again this soon (a group drains: its engines' counts are no events)."""
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
-
-
-def _template_hash(obj: dict[str, Any]) -> str:
-    return str((obj["metadata"].get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH, ""))
 
 
 def _now() -> str:
@@ -108,12 +95,12 @@ def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> Re
     spec: InferenceDeploymentSpec | None = None
     try:
         spec = InferenceDeploymentSpec.model_validate(body["spec"])
-        desired = build_children(spec, owner)
+        build_children(spec, owner)  # a spec the builders refuse fails before any write
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         hashes = role_compatibility_hashes(spec) if spec is not None else None
         return _fail(kube, body, _problem(exc), stamp, role_hashes=hashes)
     try:
-        return _converge(kube, body, spec, owner, desired, stamp)
+        return _converge(kube, body, spec, owner, stamp)
     except ApiException as exc:
         problem = spec_problem(exc)
         if problem is None:
@@ -182,7 +169,6 @@ def _converge(
     body: dict[str, Any],
     spec: InferenceDeploymentSpec,
     owner: Owner,
-    desired: list[dict[str, Any]],
     now: str,
 ) -> ReconcileResult:
     result = ReconcileResult()
@@ -193,54 +179,37 @@ def _converge(
             obj.setdefault("kind", kind)
             live[_key(obj)] = obj
 
-    sizes = {name: role.group_size for name, role in spec.roles.items()}
-    desired_hashes = {
-        (o["metadata"]["labels"][LABEL_ROLE], int(o["metadata"]["labels"][LABEL_GROUP])): (
-            _template_hash(o)
-        )
-        for o in desired
-        if o["kind"] == "StatefulSet"
-    }
-    groups: dict[str, dict[int, GroupState]] = {}
-    for (kind, _), obj in live.items():
-        labels = obj["metadata"].get("labels") or {}
-        role = labels.get(LABEL_ROLE, "")
-        if kind == "StatefulSet" and role in sizes:
-            groups.setdefault(role, {})[int(labels[LABEL_GROUP])] = group_state(obj, sizes[role])
-    # NOTE: one roll at a time across all roles: start a roll only when every group is settled.
-    # A group mid-roll is not ready (its StatefulSet has not observed or finished the update).
-    settled = all(g.ready for gs in groups.values() for g in gs.values())
+    # The number of groups each role should have now (the autoscaler's, once it decides).
+    replicas = {name: role.replicas for name, role in spec.roles.items()}
+    previous = body.get("status") or {}
+    groups = converge_groups(kube, spec, owner, live, replicas, _parse_time(now))
+    result.events += groups.events
+    if groups.draining:
+        result.requeue_after_s = DRAIN_POLL_S
 
-    for obj in desired:
+    for obj in build_router_children(spec, owner):
         current = live.get(_key(obj))
         # NOTE: list items carry no apiVersion/kind, so only metadata/spec/data are compared.
         fields = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
         if current is not None and is_subset(fields, current):
             continue
-        name = obj["metadata"]["name"]
-        if current is not None and obj["kind"] == "StatefulSet":
-            if _template_hash(obj) != _template_hash(current):
-                if not settled:
-                    continue
-                settled = False
-                result.events.append(("Normal", "RollingGroup", f"rolling {name}"))
-        elif current is None:
+        if current is None:
+            name = obj["metadata"]["name"]
             result.events.append(("Normal", "Created", f"created {obj['kind']} {name}"))
         kube.apply(obj)
 
-    wanted = {_key(o) for o in desired}
+    # Group objects no group keeps: a Service left by a deleted group, or a removed role's.
     for key, obj in live.items():
-        if key not in wanted and LABEL_GROUP in (obj["metadata"].get("labels") or {}):
+        if key not in groups.owned and LABEL_GROUP in (obj["metadata"].get("labels") or {}):
             kube.delete(key[0], owner.namespace, key[1])
             result.events.append(("Normal", "ScaledDown", f"deleted {key[0]} {key[1]}"))
 
-    previous = body.get("status") or {}
     warnings = transfer_warnings(spec, _cluster_facts(kube, spec, owner.namespace))
     status = compute_status(
         spec,
         int(body["metadata"].get("generation", 1)),
-        groups,
-        desired_hashes,
+        groups.groups,
+        groups.desired_hashes,
         router_state(live.get(("Deployment", router_name(owner.name))), spec.router.replicas),
         endpoint=f"http://{owner.name}.{owner.namespace}.svc:80",
         role_hashes=role_compatibility_hashes(spec),
@@ -249,6 +218,9 @@ def _converge(
         now=now,
         transfer_warnings=warnings,
     )
+    if groups.condition is not None:
+        (draining,) = merge_conditions(previous.get("conditions", []), [groups.condition], now)
+        status["conditions"].append(draining.model_dump(by_alias=True, exclude_none=True))
     written = _write_status(kube, body, status, result, drop_other_roles=True)
     if written and status["phase"] != previous.get("phase"):
         result.events.append(("Normal", "Phase", f"phase {status['phase']}"))

@@ -34,6 +34,7 @@ class Retries:
         self._guard = threading.Lock()
         self._timers: dict[str, threading.Timer] = {}
         self._attempts: dict[str, int] = {}
+        self._later: dict[str, threading.Timer] = {}
         self._closed = False
 
     def run(
@@ -78,6 +79,27 @@ class Retries:
         else:
             logger.error("%s failed; retry %d in %.1fs", key, attempt + 1, delay, exc_info=exc)
 
+    def later(self, key: str, delay_s: float, work: Callable[[], None]) -> None:
+        """Run `work` once after `delay_s` (not a retry: it has its own timers, so a success of
+        the same key's work does not cancel it). A pending `later` of `key` is replaced."""
+        with self._guard:
+            if self._closed:
+                return
+            context = contextvars.copy_context()
+            timer = threading.Timer(delay_s, context.run, (self._run_later, key, work))
+            timer.daemon = True
+            old = self._later.pop(key, None)
+            if old is not None:
+                old.cancel()
+            self._later[key] = timer
+            timer.start()
+
+    def _run_later(self, key: str, work: Callable[[], None]) -> None:
+        with self._guard:
+            if self._later.get(key) is threading.current_thread():
+                del self._later[key]
+        work()
+
     def pending(self, key: str) -> bool:
         """True while a retry of `key` is scheduled."""
         with self._guard:
@@ -96,8 +118,9 @@ class Retries:
         """Cancel every pending retry; later failures are logged and not retried."""
         with self._guard:
             self._closed = True
-            timers = list(self._timers.values())
+            timers = [*self._timers.values(), *self._later.values()]
             self._timers.clear()
+            self._later.clear()
             self._attempts.clear()
         for timer in timers:
             timer.cancel()

@@ -122,7 +122,7 @@ def compute_status(
     """The status object (camelCase) for the CR's status subresource.
 
     Args:
-        groups: role → group index → live state (only groups that exist).
+        groups: role → group index → live state of the groups that serve (not draining).
         desired_hashes: (role, group index) → the template hash that group should carry.
         router: the live router Deployment's state.
         role_hashes: role → the KV compatibility hash its pods carry.
@@ -136,7 +136,7 @@ def compute_status(
     waiting: list[str] = []
     for name, role in spec.roles.items():
         live = groups.get(name, {})
-        ready = sum(1 for i, g in live.items() if g.ready and i < role.replicas)
+        ready = sum(1 for g in live.values() if g.ready)  # draining groups are not passed
         updated = sum(
             1 for i, g in live.items() if g.template_hash == desired_hashes.get((name, i))
         )

@@ -60,6 +60,8 @@ class RouterState:
     forwarder: Forwarder | None = None
     session: aiohttp.ClientSession | None = None
     ready: bool = False
+    terminating: bool = False
+    """Set when the router is stopping (`fleetserve.router.serve`): unready, still serving."""
     last_ready_error: str = "no generation went through the fleet yet"
 
 
@@ -303,6 +305,8 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    if state.terminating:
+        return error_response(503, "the router is shutting down", retry_after_s=1)
     if state.ready:
         return web.Response(status=200)
     return error_response(

@@ -10,8 +10,6 @@ import argparse
 import logging
 from typing import Any
 
-from aiohttp import web
-
 from fleetserve.api.router_config import RouterConfig
 
 __all__ = ["register"]
@@ -22,6 +20,7 @@ logger = logging.getLogger("fleetserve.router")
 def _run(args: argparse.Namespace) -> int:
     config = RouterConfig.from_args(args)  # a bad value raises ValueError (the CLI prints it)
     from fleetserve.router.app import create_app
+    from fleetserve.router.serve import serve_until_signalled
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -29,15 +28,7 @@ def _run(args: argparse.Namespace) -> int:
     app = create_app(config)
     logger.info("router listening on %s:%d (%s discovery, disaggregation %s)",
                 config.host, config.port, config.discovery, config.mode)  # fmt: skip
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-        shutdown_timeout=5.0,
-    )
+    serve_until_signalled(app, config.host, config.port)
     return 0
 
 

@@ -2,10 +2,13 @@
 
 Kubernetes: one watch per selector (prefill, decode, unified) over the namespace's pods, in a
 background thread with the synchronous `kubernetes` client (kubernetes_asyncio is not a
-dependency). A pod is an engine while it is Ready, has a pod IP and is not being deleted; its
-URL is `http://podIP:engine_port`, its role and compatibility hash come from the labels the
-operator sets (`fleetserve.api.labels`). With `compatibility_hash` configured, pods with another
-hash are skipped. Each change hands the selector's whole endpoint set to the event loop
+dependency). A pod is an engine while it is Ready, has a pod IP and is neither being deleted
+nor labelled draining (`LABEL_DRAINING`: the operator is removing its group, so it gets no new
+request; the label's watch event drops it at once); its URL is `http://podIP:engine_port`, its
+role and compatibility hash come from the labels the operator sets (`fleetserve.api.labels`).
+With `compatibility_hash` configured, pods with another hash are skipped; without it (what the
+operator renders) pods of every hash are kept, and the policy pairs prefill and decode only
+within one hash, so during a roll each revision serves its own requests. Each change hands the selector's whole endpoint set to the event loop
 (`Fleet.update`), so a lost event heals on the next relist; a broken watch relists after a
 short backoff. EndpointSlices are not used: the dev cluster's loopback pod IPs make them
 unusable there.
@@ -20,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fleetserve.api.labels import LABEL_COMPAT, LABEL_ROLE
+from fleetserve.api.labels import LABEL_COMPAT, LABEL_DRAINING, LABEL_ROLE
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.router.fleet import Endpoint, Fleet
 from fleetserve.router.policy import Role
@@ -47,13 +50,14 @@ def static_endpoints(config: RouterConfig) -> dict[str, list[Endpoint]]:
 def pod_endpoint(
     pod: Any, role: Role, engine_port: int, compatibility_hash: str | None
 ) -> Endpoint | None:
-    """The engine a pod (a `kubernetes.client.V1Pod`) is, or None while it cannot serve: not
-    Ready, no IP, being deleted, or labelled with a role or compatibility hash not wanted."""
+    """The engine a pod (a `kubernetes.client.V1Pod`) is, or None while it must get no request:
+    not Ready, no IP, being deleted, draining (its group is being removed; requests already on
+    it finish there), or labelled with a role or compatibility hash not wanted."""
     meta, status = pod.metadata, pod.status
     if meta is None or status is None or meta.deletion_timestamp is not None:
         return None
     labels = meta.labels or {}
-    if labels.get(LABEL_ROLE, role) != role:
+    if labels.get(LABEL_ROLE, role) != role or LABEL_DRAINING in labels:
         return None
     compat = labels.get(LABEL_COMPAT)
     if compatibility_hash is not None and compat != compatibility_hash:

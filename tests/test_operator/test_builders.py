@@ -329,7 +329,8 @@ def test_router_args_are_its_config(sample: str) -> None:
     assert parsed == build_router_config(spec, OWNER)
     assert parsed.mode == spec.router.disaggregation.mode
     assert parsed.min_uncached_tokens == spec.router.disaggregation.min_uncached_tokens
-    assert parsed.compatibility_hash == compatibility_hash(spec)
+    # Both revisions of a roll stay visible; the router pairs within one hash.
+    assert parsed.compatibility_hash is None
     assert parsed.block_size == spec.model.block_size
     assert (parsed.namespace, parsed.engine_port, parsed.port) == ("ns", 8000, 8080)
     assert parsed.host == "$(FLEETSERVE_POD_IP)"
@@ -531,6 +532,18 @@ def test_the_router_is_ready_when_its_health_answers() -> None:
     c = _container(router)
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8080}
     assert c["ports"] == [{"name": "http", "containerPort": 8080}]
+
+
+def test_a_router_roll_starts_the_new_one_first_and_lets_the_old_one_finish() -> None:
+    router = build_router_deployment(_sample("dense-pd.yaml"), OWNER)
+    assert router["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    args = RouterConfig.from_args(_router_parser().parse_args(_container(router)["args"][1:]))
+    assert args.shutdown_delay_s > 0, "a stopping router must stay serving while endpoints update"
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > args.shutdown_delay_s + args.shutdown_grace_s
 
 
 def test_the_router_block_sets_the_router_flags_and_placement() -> None:
