@@ -28,6 +28,7 @@ from fleetserve.engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     load_hf_config,
     require_choice,
     resolve_device,
@@ -83,6 +84,12 @@ class EngineArgs:
     eplb_policy: str = _arg("global", "EPLB: placement policy", choices=("global", "hierarchical"))
     kv_transfer_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
         None, 'KV connector settings, JSON: {"connector": "tcp", "role": "producer", ...}'
+    )
+    speculative_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 3}',
     )
 
     @classmethod
@@ -215,6 +222,7 @@ class EngineArgs:
                 if self.kv_transfer_config is None
                 else KVTransferConfig.from_dict(self.kv_transfer_config)
             ),
+            speculative=_speculative_config(self.speculative_config, hf_config),
         )
 
 
@@ -242,6 +250,25 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
+
+
+def _speculative_config(
+    data: dict[str, Any] | None, target_hf_config: dict[str, Any]
+) -> SpeculativeConfig | None:
+    """Parse `speculative_config`; a draft model must share the target's vocabulary (its token
+    ids are verified by the target as they are)."""
+    if data is None:
+        return None
+    spec = SpeculativeConfig.from_dict(data)
+    if spec.method == "draft_model":
+        assert spec.model is not None
+        draft_vocab = load_hf_config(spec.model).get("vocab_size")
+        if draft_vocab != target_hf_config.get("vocab_size"):
+            raise ValueError(
+                f"speculative_config.model must have the target's vocabulary "
+                f"(vocab_size {target_hf_config.get('vocab_size')}), got vocab_size {draft_vocab}"
+            )
+    return spec
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:

@@ -63,6 +63,7 @@ class EngineCore:
             load_failure_policy=(
                 config.kv_transfer.load_failure_policy if config.kv_transfer else "fail"
             ),
+            speculative_config=config.speculative,
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)

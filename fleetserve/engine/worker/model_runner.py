@@ -38,6 +38,7 @@ from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sa
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.loader import load_model
+from fleetserve.engine.spec_decode.decoder import SpecDecoder
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import InputPreparer, StepInputs, cdiv
@@ -74,6 +75,12 @@ class ModelRunner:
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(config.model.seed)
         self.sampler = Sampler(default_generator)
+        self.spec: SpecDecoder | None = None
+        """Speculative decoding (drafts written, verified and proposed each step), or None."""
+        if config.speculative is not None:
+            self.spec = SpecDecoder(
+                config.speculative, self.sampler, self.vocab_size, self.max_model_len
+            )
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         """One cache per attention layer, in layer order (allocated by the worker)."""
@@ -193,10 +200,12 @@ class ModelRunner:
         hooks = self.kv_hooks
         if connector is not None and connector.saves_this_step:
             hooks = connector
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         inputs = self.input_preparer.prepare(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
             self.decode_graphs if hooks is None else None,
+            {req_id: len(tokens) for req_id, tokens in drafts.items()},
         )
         model = self.model
         context = ForwardContext(inputs.metadata, self._kv_caches_by_layer, kv_hooks=hooks)
@@ -209,7 +218,7 @@ class ModelRunner:
                 hidden_states = self.decode_graphs.run(inputs.padded_size, forward)
             else:
                 hidden_states = forward()
-            sampled, logprobs = self._sample(inputs, hidden_states)
+            sampled, logprobs = self._sample(inputs, hidden_states, drafts)
             prompt = prompt_logprobs(
                 model,
                 hidden_states,
@@ -220,22 +229,34 @@ class ModelRunner:
             )
         if hooks is connector and connector is not None:
             connector.wait_for_save()
-        for req_id in inputs.req_ids:
+        for req_id, tokens in zip(inputs.req_ids, sampled, strict=True):
             state = self.requests[req_id]
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            # NOTE: rejected drafts are not computed: the next steps rewrite their slots.
+            num_rejected = len(drafts[req_id]) + 1 - len(tokens) if req_id in drafts else 0
+            state.num_computed_tokens += (
+                scheduler_output.num_scheduled_tokens[req_id] - num_rejected
+            )
             row = self.input_batch.req_id_to_index[req_id]
             self.input_batch.num_computed_tokens[row] = state.num_computed_tokens
+        spec_token_ids: dict[str, list[int]] = {}
+        if self.spec is not None:
+            sampled_states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
+            spec_token_ids = self.spec.propose(self.input_batch, sampled_states)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt,
+            spec_token_ids=spec_token_ids,
         )
 
     def _sample(
-        self, inputs: StepInputs, hidden_states: torch.Tensor
+        self, inputs: StepInputs, hidden_states: torch.Tensor, drafts: dict[str, list[int]]
     ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
-        """Sample the requests that complete their tokens; append each token to its state."""
+        """Sample the requests that complete their tokens; append each token to its state.
+
+        With drafts (speculative decoding) a request gets its accepted drafts and one token of
+        the target's, all appended."""
         assert self.model is not None
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -243,6 +264,17 @@ class ModelRunner:
             return sampled, logprobs
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
+        if any(inputs.num_draft_tokens):
+            assert self.spec is not None, "drafts scheduled without speculative decoding"
+            request_drafts = [drafts.get(state.req_id, []) for state in states]
+            tokens, logprobs = self.spec.verify(logits, states, request_drafts)
+            for index, state, token_ids in zip(
+                inputs.sample_req_indices, states, tokens, strict=True
+            ):
+                sampled[index] = token_ids
+                for token_id in token_ids:
+                    self._append_token(state, token_id)
+            return sampled, logprobs
         output = self.sampler(logits, self._sampling_metadata(states))
         for row, (state, token_id) in enumerate(
             zip(states, output.sampled_token_ids.tolist(), strict=True)
@@ -286,6 +318,10 @@ class ModelRunner:
                 batch.num_computed_tokens[row] = state.num_computed_tokens
             if cached.new_token_ids[i]:
                 self._sync_tokens(state, cached.new_token_ids[i])
+        if self.spec is not None:
+            for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+                self.spec.forget(req_id)
+            self.spec.write_drafts(batch, self.requests, so.scheduled_spec_decode_tokens)
 
     def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
         previous = self.requests.get(new.req_id)
