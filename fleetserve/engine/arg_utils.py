@@ -222,7 +222,12 @@ class EngineArgs:
                 if self.kv_transfer_config is None
                 else KVTransferConfig.from_dict(self.kv_transfer_config)
             ),
-            speculative=_speculative_config(self.speculative_config, hf_config),
+            speculative=_speculative_config(
+                self.speculative_config,
+                hf_config,
+                max_model_len,
+                kv_transfer=self.kv_transfer_config is not None,
+            ),
         )
 
 
@@ -253,21 +258,39 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
 
 
 def _speculative_config(
-    data: dict[str, Any] | None, target_hf_config: dict[str, Any]
+    data: dict[str, Any] | None,
+    target_hf_config: dict[str, Any],
+    max_model_len: int,
+    kv_transfer: bool,
 ) -> SpeculativeConfig | None:
     """Parse `speculative_config`; a draft model must share the target's vocabulary (its token
     ids are verified by the target as they are)."""
     if data is None:
         return None
     spec = SpeculativeConfig.from_dict(data)
-    if spec.method == "draft_model":
-        assert spec.model is not None
-        draft_vocab = load_hf_config(spec.model).get("vocab_size")
-        if draft_vocab != target_hf_config.get("vocab_size"):
-            raise ValueError(
-                f"speculative_config.model must have the target's vocabulary "
-                f"(vocab_size {target_hf_config.get('vocab_size')}), got vocab_size {draft_vocab}"
-            )
+    if spec.method != "draft_model":
+        return spec
+    if kv_transfer:
+        # NOTE: a remote prefill brings the target's KV only; the draft's would be missing.
+        raise ValueError(
+            "speculative_config method 'draft_model' with kv_transfer_config is not implemented "
+            "(the draft model's KV of a remotely computed prompt is not transferred); use "
+            "method 'ngram' on P/D engines"
+        )
+    assert spec.model is not None
+    draft_config = load_hf_config(spec.model)
+    draft_vocab = draft_config.get("vocab_size")
+    if draft_vocab != target_hf_config.get("vocab_size"):
+        raise ValueError(
+            f"speculative_config.model must have the target's vocabulary "
+            f"(vocab_size {target_hf_config.get('vocab_size')}), got vocab_size {draft_vocab}"
+        )
+    draft_limit = int(draft_config.get("max_position_embeddings", 2048))
+    if draft_limit < max_model_len:
+        raise ValueError(
+            f"speculative_config.model must reach max_model_len ({max_model_len}) positions, "
+            f"its max_position_embeddings is {draft_limit}"
+        )
     return spec
 
 

@@ -78,9 +78,7 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None
         """Speculative decoding (drafts written, verified and proposed each step), or None."""
         if config.speculative is not None:
-            self.spec = SpecDecoder(
-                config.speculative, self.sampler, self.vocab_size, self.max_model_len
-            )
+            self.spec = SpecDecoder(config, context, self.sampler, self.vocab_size)
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         """One cache per attention layer, in layer order (allocated by the worker)."""
@@ -108,6 +106,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config, self.arch, self.layer_context)
+        if self.spec is not None:
+            self.spec.load_model()
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Adopt one KV cache per attention layer, in layer order (the model must be loaded).
@@ -124,6 +124,9 @@ class ModelRunner:
             )
         self.kv_caches = list(kv_caches)
         self._kv_caches_by_layer = dict(zip(names, kv_caches, strict=True))
+        if self.spec is not None:
+            # NOTE: a draft model's caches are its own group, indexed by the same block ids.
+            self.spec.bind_kv_caches(kv_caches[0].shape[1])
 
     def attention_layer_names(self) -> list[str]:
         """The attention layers' names, in layer order (how KV hooks name them)."""
@@ -241,7 +244,8 @@ class ModelRunner:
         spec_token_ids: dict[str, list[int]] = {}
         if self.spec is not None:
             sampled_states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
-            spec_token_ids = self.spec.propose(self.input_batch, sampled_states)
+            with torch.inference_mode():
+                spec_token_ids = self.spec.propose(self.input_batch, inputs, sampled_states)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=sampled,
@@ -298,6 +302,8 @@ class ModelRunner:
             block_ids = torch.tensor(so.new_block_ids_to_zero, device=self.device)
             for kv_cache in self.kv_caches:
                 kv_cache[:, block_ids] = 0
+            if self.spec is not None:
+                self.spec.zero_blocks(block_ids)
         for new in so.scheduled_new_reqs:
             batch.remove_request(new.req_id)
         batch.condense()

@@ -29,6 +29,7 @@ from fleetserve.engine.layers.attention.base import CudaGraphSupport
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.loader import build_layer_context, torch_dtype
+from fleetserve.engine.spec_decode.draft_model import draft_kv_block_bytes
 from fleetserve.engine.worker.cuda_graphs import cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_prep import cdiv
 from fleetserve.engine.worker.model_runner import ModelRunner
@@ -105,7 +106,9 @@ class Worker:
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         arch = self.arch
         per_layer = 2 * self.config.cache.block_size * arch.kv_size * element_bytes
-        return per_layer * arch.num_hidden_layers
+        # NOTE: a draft model's own caches take the same block ids (speculative decoding).
+        draft = draft_kv_block_bytes(self.config, element_bytes)
+        return per_layer * arch.num_hidden_layers + draft
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks this rank can hold, including the null block 0 (after `load_model`).
