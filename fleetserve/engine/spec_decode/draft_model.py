@@ -12,7 +12,8 @@ Per step, after the target sampled:
    has computed, the draft has too (prefix-cache hits included: both were written together);
 2. k decode passes over the requests that sampled: the first feeds the token the target just
    produced, each later one the previous draft; each draws a draft from the draft's distribution
-   q (greedy requests: its argmax) and keeps q for the rejection sampler.
+   q (its logits through the request's own processors and temperature / top-k / top-p; greedy
+   requests: its argmax) and keeps q for the rejection sampler.
 
 Draft KV written for drafts the target rejects sits in slots past the request's computed tokens:
 the next steps rewrite it before anything reads it. The scheduler reserves k lookahead slots per
@@ -146,21 +147,28 @@ class DraftModelProposer:
             )
             logits = self.model.compute_logits(hidden)
             active_states = [states[i] for i in active]
+            # NOTE: the draft's logits go through the request's own processors (allowed ids,
+            # logit_bias, penalties over outputs + drafts so far), as the target's will: a
+            # draft the target can never pick would only be rejected.
             sampling = build_sampling_metadata(
                 [s.sampling_params for s in active_states],
-                [[] for _ in active],
-                [[] for _ in active],
+                [s.prompt_token_ids for s in active_states],
+                [
+                    s.output_token_ids + drafts[i]
+                    for s, i in zip(active_states, active, strict=True)
+                ],
                 {r: s.generator for r, s in enumerate(active_states) if s.generator is not None},
-                [() for _ in active],
+                [s.eos_token_ids for s in active_states],
                 vocab_size,
                 self.device,
             )
-            greedy = logits.argmax(dim=-1)
+            processed = self.sampler.apply_logits_processors(logits, sampling)
+            greedy = processed.argmax(dim=-1)
             if sampling.all_greedy:
                 tokens = greedy
                 q = torch.nn.functional.one_hot(greedy, vocab_size).to(torch.float32)
             else:
-                q = self.sampler.compute_probs(logits.to(torch.float32), sampling)
+                q = self.sampler.compute_probs(processed, sampling)
                 drawn = self.sampler.sample_from_probs(q, sampling.generators)
                 is_greedy = sampling.temperature < SAMPLING_EPS
                 tokens = torch.where(is_greedy, greedy, drawn)
