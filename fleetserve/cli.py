@@ -34,6 +34,7 @@ _BENCHES = (
     ("kv-transfer", "kv_transfer", "KV-block throughput and 4 KiB round trip of tcp, shm and mooncake"),
     ("router", "router", "a router's added latency and max requests/s vs vllm-router"),
     ("pd-handover", "pd_handover", "TTFT of a prefill/decode pair vs one engine, transfer split out"),
+    ("spec-decode", "spec_decode", "tokens/s with and without speculative decoding, acceptance rates"),
 )  # fmt: skip
 """`fleetserve bench` subcommands: (name, module under fleetserve.bench, help). Each module has
 `add_arguments(parser)` and `run_from_args(args) -> int`."""
