@@ -82,11 +82,10 @@ def test_a_speculating_decode_engine_gives_the_colocated_tokens(tiny_llama_dir: 
             assert outputs[0].num_cached_tokens == len(prompt) - 1
             assert [t for o in outputs for t in o.new_token_ids] == expected[f"r{i}"], i
         stats = consumer.make_stats().spec_decoding
-        assert (
-            stats is not None
-            and stats.num_accepted_tokens_per_pos[:2] == [stats.num_accepted_tokens_per_pos[0]] * 2
-        )
-        assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens_per_pos[2] == 0
+        assert stats is not None
+        first, second, third = stats.num_accepted_tokens_per_pos
+        # Drafts cut short near max_tokens have fewer positions: position 1 counts fewer.
+        assert first >= second > 0 and third == 0, stats
         assert consumer.make_stats().kv_cache_usage == 0.0
     finally:
         consumer.shutdown()
