@@ -21,7 +21,7 @@ from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.sampler import Sampler
 from fleetserve.engine.spec_decode.draft_model import DraftModelProposer
 from fleetserve.engine.spec_decode.ngram import NgramProposer
-from fleetserve.engine.spec_decode.verify import verify_drafts
+from fleetserve.engine.spec_decode.verify import RowLogitsHook, verify_drafts
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import StepInputs
 
@@ -60,6 +60,8 @@ class SpecDecoder:
             self.draft = DraftModelProposer(config, context, sampler)
         self._draft_probs: dict[str, torch.Tensor] = {}
         """Draft model: each request's latest drafts' distributions [n, vocab]."""
+        self.row_logits_hook: RowLogitsHook | None = None
+        """Edits each verification's processed logits (structured output's per-row masks)."""
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -107,7 +109,15 @@ class SpecDecoder:
                 )
                 pieces.append(probs[: len(request_drafts)])
             draft_probs = torch.cat(pieces)
-        return verify_drafts(self.sampler, logits, states, drafts, draft_probs, self.vocab_size)
+        return verify_drafts(
+            self.sampler,
+            logits,
+            states,
+            drafts,
+            draft_probs,
+            self.vocab_size,
+            self.row_logits_hook,
+        )
 
     def propose(
         self, batch: InputBatch, inputs: StepInputs, states: Sequence[CachedRequestState]

@@ -11,9 +11,16 @@ accepted tokens, since drafts never enter `Request.all_token_ids`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fleetserve.engine.config import SpeculativeConfig
 from fleetserve.engine.request import Request
 from fleetserve.engine.spec_decode.stats import SpecDecodingStats
+
+DraftFilter = Callable[[Request, list[int]], list[int]]
+"""(request, its drafts) → the prefix of them to verify. The seam for structured output: a
+grammar keeps only the longest prefix it accepts (seed notes part 2 §2.2, `validate_tokens`),
+so the target never verifies a draft the grammar forbids."""
 
 
 class SpecScheduling:
@@ -24,6 +31,8 @@ class SpecScheduling:
         self.num_lookahead_tokens = config.num_lookahead_tokens
         """Extra KV slots every allocation reserves (a draft model's own KV positions)."""
         self.stats = SpecDecodingStats()
+        self.draft_filter: DraftFilter | None = None
+        """Applied to each request's drafts before they are scheduled (None: keep all)."""
         self._drafts: dict[str, list[int]] = {}
 
     def pending_drafts(self, request: Request) -> list[int]:
@@ -35,6 +44,13 @@ class SpecScheduling:
         if request.max_tokens is not None:
             room = request.max_tokens - request.num_output_tokens - 1
             drafts = drafts[: max(room, 0)]
+        if drafts and self.draft_filter is not None:
+            kept = self.draft_filter(request, drafts)
+            if kept != drafts[: len(kept)]:
+                raise ValueError(
+                    f"a draft filter must return a prefix of the drafts, got {kept} for {drafts}"
+                )
+            drafts = kept
         return drafts
 
     @staticmethod

@@ -9,7 +9,7 @@ gathered from the raw (unprocessed) distribution of its own row, as the plain sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,6 +24,11 @@ from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.spec_decode.rejection_sampler import DraftRows, RejectionSampler
 from fleetserve.engine.worker.input_batch import CachedRequestState
 from fleetserve.engine.worker.logprobs import logprobs_row
+
+RowLogitsHook = Callable[[torch.Tensor, Sequence[CachedRequestState], Sequence[list[int]]], None]
+"""(processed logits in the row layout, the requests, their drafts) → None, editing the logits
+in place. The seam for structured output: row j of a request must be masked with the grammar's
+bitmask after its drafts 0..j-1 (seed notes part 2 §2.2); -inf entries are never sampled."""
 
 
 def expanded_metadata(
@@ -56,6 +61,7 @@ def verify_drafts(
     drafts: Sequence[list[int]],
     draft_probs: torch.Tensor | None,
     vocab_size: int,
+    row_logits_hook: RowLogitsHook | None = None,
 ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
     """Accepted drafts + the target's own token per request, and their logprobs rows.
 
@@ -66,12 +72,15 @@ def verify_drafts(
         drafts: each request's drafts (possibly empty).
         draft_probs: [sum(len(d)), vocab] the draft distributions, or None (one-hot drafts).
         vocab_size: the logits' width.
+        row_logits_hook: edits the processed logits before verification (grammar masks).
     """
     metadata = expanded_metadata(states, drafts, vocab_size, logits.device)
     raw_logprobs = None
     if metadata.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     processed = sampler.apply_logits_processors(logits, metadata)
+    if row_logits_hook is not None:
+        row_logits_hook(processed, states, drafts)
     rows = DraftRows(
         num_draft_tokens=[len(d) for d in drafts],
         draft_token_ids=[t for d in drafts for t in d],
