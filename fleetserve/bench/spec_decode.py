@@ -10,8 +10,9 @@ EOS ignored so both runs produce the same number of tokens:
   request), so the text does not repeat either (greedy decoding of a small model soon loops,
   which prompt lookup would predict perfectly and flatter the figure).
 
-It prints tokens/s side by side, the speedup, the acceptance rate and the mean tokens per
-verified draft.
+Both engines stay loaded and run alternately `--repeats` times (the box is shared and noisy);
+the median run of each is printed: tokens/s side by side, the speedup, the acceptance rate and
+the mean tokens per verified draft.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs; median shown")
     parser.add_argument("--output-json", default=None, help="write the results here")
 
 
@@ -128,42 +130,60 @@ def _prompts(llm: Any, workload: str, args: argparse.Namespace) -> list[list[int
     ]
 
 
-def _run(
-    model: str | None, workload: str, spec: dict[str, Any] | None, args: argparse.Namespace
-) -> tuple[RunResult, list[list[int]]]:
-    from fleetserve import LLM, SamplingParams
+class _Engine:
+    """One engine (plain or speculative) loaded once and run over a workload repeatedly."""
 
-    llm = LLM(
-        model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend,
-        speculative_config=spec,
-    )
-    prompts = _prompts(llm, workload, args)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    params = [greedy] * len(prompts)
-    if workload == "random":
-        params = [
-            greedy.clone(temperature=args.random_temperature, seed=args.seed + i)
-            for i in range(len(prompts))
-        ]
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], greedy.clone(max_tokens=4))  # warm-up
-    before = llm.engine_core.make_stats().spec_decoding
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    seconds = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    after = llm.engine_core.make_stats().spec_decoding
-    counts: dict[str, int] = {}
-    if before is not None and after is not None:
-        counts = {
-            "num_draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
-            "num_accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens,
-            "num_drafts": after.num_drafts - before.num_drafts,
-        }
-    engine = "plain" if spec is None else f"{spec['method']} k={spec['num_speculative_tokens']}"
-    return RunResult(workload, engine, seconds, sum(map(len, tokens)), **counts), tokens
+    def __init__(
+        self, workload: str, spec: dict[str, Any] | None, args: argparse.Namespace
+    ) -> None:
+        from fleetserve import LLM, SamplingParams
+
+        self.workload = workload
+        self.name = (
+            "plain" if spec is None else f"{spec['method']} k={spec['num_speculative_tokens']}"
+        )
+        self.llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            attention_backend=args.attention_backend,
+            speculative_config=spec,
+        )
+        self.prompts = _prompts(self.llm, workload, args)
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.params = [greedy] * len(self.prompts)
+        if workload == "random":
+            self.params = [
+                greedy.clone(temperature=args.random_temperature, seed=args.seed + i)
+                for i in range(len(self.prompts))
+            ]
+        warm_up = [{"prompt_token_ids": self.prompts[0][:16]}]
+        self.llm.generate(warm_up, greedy.clone(max_tokens=4))
+
+    def run(self) -> tuple[RunResult, list[list[int]]]:
+        core = self.llm.engine_core
+        # NOTE: every repeat computes its prompts again (no hits from the previous repeat).
+        core.reset_prefix_cache()
+        before = core.make_stats().spec_decoding
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in self.prompts], self.params)
+        seconds = time.perf_counter() - start
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        after = core.make_stats().spec_decoding
+        counts: dict[str, int] = {}
+        if before is not None and after is not None:
+            counts = {
+                "num_draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+                "num_accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens,
+                "num_drafts": after.num_drafts - before.num_drafts,
+            }
+        result = RunResult(self.workload, self.name, seconds, sum(map(len, tokens)), **counts)
+        return result, tokens
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    """The run of median duration (the box is shared: repeats alternate the two engines)."""
+    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -172,11 +192,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     identical: dict[str, bool] = {}
     for workload in workloads:
-        plain, plain_tokens = _run(args.model, workload, None, args)
-        speculative, spec_tokens = _run(args.model, workload, spec, args)
-        results += [plain, speculative]
+        engines = [_Engine(workload, None, args), _Engine(workload, spec, args)]
+        runs: list[list[RunResult]] = [[], []]
+        tokens: list[list[list[int]]] = [[], []]
+        for _ in range(args.repeats):
+            for index, engine in enumerate(engines):
+                result, tokens[index] = engine.run()
+                runs[index].append(result)
+        results += [_median_run(runs[0]), _median_run(runs[1])]
         if workload == "repetitive":
-            identical[workload] = plain_tokens == spec_tokens
+            identical[workload] = tokens[0] == tokens[1]
+        del engines
     print(format_table(results, identical))
     if args.output_json:
         with open(args.output_json, "w") as f:
