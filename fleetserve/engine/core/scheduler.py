@@ -3,8 +3,8 @@
 Each step (`schedule`):
 
 1. RUNNING requests, oldest first: each gets `num_tokens - num_computed_tokens` new tokens (a
-   decode is 1, a prefill chunk more), capped by the long-prefill threshold, the remaining budget
-   and max_model_len. When `allocate_slots` finds no room, a victim is preempted (FCFS: the newest
+   decode is 1, plus its pending drafts under speculative decoding; a prefill chunk more), capped
+   by the long-prefill threshold, the remaining budget and max_model_len (drafts are cut first). When `allocate_slots` finds no room, a victim is preempted (FCFS: the newest
    running request; PRIORITY: the least important) and the allocation retried; if the victim is
    the current request, the running pass stops.
 2. WAITING requests (new or preempted), only if nobody was preempted this step: prefix-cache hit,
@@ -12,8 +12,9 @@ Each step (`schedule`):
 3. The `SchedulerOutput`: new requests in full, running ones as deltas; then every scheduled
    request's `num_computed_tokens` advances by its scheduled tokens.
 
-`update_from_output` appends the sampled tokens, applies the stop conditions and frees finished
-requests. A preempted request loses its blocks and its computed tokens and is resumed by recompute
+`update_from_output` rolls back the drafts the target rejected (`num_computed_tokens` loses
+them; see `spec_decode.scheduling`), appends the sampled tokens, applies the stop conditions,
+frees finished requests and keeps the runner's new drafts for the next step. A preempted request loses its blocks and its computed tokens and is resumed by recompute
 (softened by the prefix cache).
 """
 

@@ -14,6 +14,9 @@ Lifecycle (driven by the `Worker`): `load_model()` → `bind_kv_caches(caches)` 
    padded decode batches); logits only for requests whose every token is computed after this step
    (a prefill chunk that stops short samples nothing).
 4. sample, append the sampled tokens to the requests' states, report them (plus logprobs).
+   Under speculative decoding (`spec_decode.decoder`) the scheduled drafts sit after each
+   request's real tokens, every draft position gets a logits row, the rejection sampler keeps
+   the accepted prefix plus one token, and the proposer drafts the next step's tokens.
 """
 
 from __future__ import annotations
