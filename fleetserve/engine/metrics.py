@@ -174,6 +174,8 @@ class StatsLogger:
     last_stats: SchedulerStats = field(default_factory=SchedulerStats)
     _last_queries: int = 0
     _last_hits: int = 0
+    _last_draft_tokens: int = 0
+    _last_accepted_tokens: int = 0
 
     def record_tokens(self, num_prompt: int, num_generated: int) -> None:
         self.prompt_tokens += num_prompt
@@ -203,6 +205,14 @@ class StatsLogger:
             f"prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
             f"generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s"
         )
+        spec = stats.spec_decoding
+        if spec is not None:
+            drafted = spec.num_draft_tokens - self._last_draft_tokens
+            accepted = spec.num_accepted_tokens - self._last_accepted_tokens
+            rate = 100.0 * accepted / drafted if drafted > 0 else 0.0
+            line += f", draft acceptance rate: {rate:.1f}% of {drafted} draft tokens"
+            self._last_draft_tokens = spec.num_draft_tokens
+            self._last_accepted_tokens = spec.num_accepted_tokens
         self.prompt_tokens = self.generation_tokens = 0
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.last_log_time = now

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from fleetserve.common.metric_names import SPEC_DECODE_METRICS
 from fleetserve.engine.core.outputs import SchedulerStats
-from fleetserve.engine.metrics import EngineMetrics
+from fleetserve.engine.metrics import EngineMetrics, StatsLogger
 from fleetserve.engine.spec_decode.stats import SpecDecodingStats
 
 
@@ -36,3 +36,15 @@ def test_an_engine_without_speculation_exports_none() -> None:
     registry = CollectorRegistry()
     EngineMetrics(registry, "m")
     assert "spec_decode" not in generate_latest(registry).decode()
+
+
+def test_the_stats_line_reports_the_interval_acceptance_rate() -> None:
+    logger = StatsLogger(last_log_time=0.0)
+    stats = SpecDecodingStats()
+    stats.observe(4, 3)
+    logger.last_stats = SchedulerStats(spec_decoding=stats.copy())
+    assert logger.make_line(now=1.0).endswith("draft acceptance rate: 75.0% of 4 draft tokens")
+    stats.observe(4, 1)
+    logger.last_stats = SchedulerStats(spec_decoding=stats.copy())
+    assert logger.make_line(now=2.0).endswith("draft acceptance rate: 25.0% of 4 draft tokens")
+    assert "draft" not in StatsLogger().make_line()
