@@ -93,3 +93,31 @@ def test_partial_acceptance_rolls_back_exactly(models: Any, setting: str) -> Non
     # Position 0 right, position 1 wrong: exactly one accepted per verified multi-token draft.
     assert stats.num_accepted_tokens_per_pos[0] > 0
     assert stats.num_accepted_tokens_per_pos[1:] == [0] * (K - 1)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_prefix_cache_hits_keep_outputs_and_draft_kv(models: Any, method: str) -> None:
+    target, other, _ = models
+    shared = make_prompts(512, [48], seed=9)[0]
+    cached_prompts = [shared + tail for tail in make_prompts(512, [3, 9, 17, 30], seed=10)]
+    plain = LLM(str(target), dtype="float32", max_model_len=256)
+    expected = generate_ids(plain, cached_prompts, GREEDY)
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        max_model_len=256,
+        speculative_config=_speculative(method, target, other),
+    )
+    assert generate_ids(llm, cached_prompts, GREEDY) == expected
+    before = llm.engine_core.make_stats().spec_decoding
+    assert before is not None
+    repeat = llm.generate([{"prompt_token_ids": p} for p in cached_prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in repeat] == expected
+    assert min(o.num_cached_tokens for o in repeat) >= 48
+    after = llm.engine_core.make_stats().spec_decoding
+    assert after is not None
+    if method == "draft_self":
+        # The draft's own KV in the hit blocks was written with the target's: still accepted.
+        drafted = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        assert drafted > 0 and accepted / drafted > 0.9
