@@ -129,12 +129,11 @@ class RejectionSampler:
             q = draft_probs.gather(1, picked).squeeze(1)
             residual = (target - draft_probs).clamp_min_(0.0)
         uniform = _uniforms(layout, metadata.generators, self.sampler.default_generator, p.device)
-        # NOTE: u < p/q written without the division (q may be 0 for a token the draft never
-        # drew, which never reaches here, but float rounding should not divide by 0 either).
+        # NOTE: u < min(1, p/q) without the division: float rounding must not divide by 0.
         accepted = uniform * q < p
         mass = residual.sum(dim=-1, keepdim=True)
-        # NOTE: no mass left means p <= q nowhere... i.e. p == q: the draft is always accepted
-        # and the recovered row is never used; keep it a valid distribution all the same.
+        # NOTE: no residual mass means p <= q everywhere, i.e. p == q: the draft is always
+        # accepted and the recovered row never used; it stays a valid distribution anyway.
         recovered = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target)
         return recovered, accepted
 
