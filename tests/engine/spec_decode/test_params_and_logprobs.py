@@ -61,3 +61,20 @@ def test_logprobs_match_the_plain_run(tiny_llama_dir: Path) -> None:
             for token_id, entry in row_a.items():
                 assert row_b[token_id].rank == entry.rank
                 assert row_b[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_output_there(tiny_llama_dir: Path) -> None:
+    prompts = make_prompts(512, [9, 25], seed=13)
+    long_run = generate_ids(_llm(tiny_llama_dir, False), prompts, SamplingParams(max_tokens=16,
+                            temperature=0.0))  # fmt: skip
+    # Stop at each prompt's 6th output token: with the target drafting for itself, that token
+    # arrives inside a run of accepted drafts.
+    params = SamplingParams(temperature=0.0, max_tokens=16,
+                            stop_token_ids=[long_run[0][5], long_run[1][5]])  # fmt: skip
+    expected = generate_ids(_llm(tiny_llama_dir, False), prompts, params)
+    llm = _llm(tiny_llama_dir, True)
+    assert generate_ids(llm, prompts, params) == expected
+    assert all(len(e) <= 6 for e in expected)
+    stats = llm.engine_core.make_stats().spec_decoding
+    assert stats is not None and stats.num_accepted_tokens > 0
+    assert llm.engine_core.make_stats().kv_cache_usage == 0.0
