@@ -45,6 +45,11 @@ __all__ = [
     "ROUTER_RETRIES",
     "ROUTER_UPSTREAM_ERRORS",
     "ROUTER_UPSTREAM_LATENCY",
+    "SPEC_DECODE_METRICS",
+    "SPEC_DECODE_NUM_ACCEPTED_TOKENS",
+    "SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS",
+    "SPEC_DECODE_NUM_DRAFTS",
+    "SPEC_DECODE_NUM_DRAFT_TOKENS",
     "TIME_TO_FIRST_TOKEN",
     "MetricSpec",
 ]
@@ -180,6 +185,30 @@ KV_TRANSFER_METRICS: tuple[MetricSpec, ...] = (
     KV_TOKENS_LOADED,
 )
 """What an engine with a KV connector exports besides `ENGINE_METRICS`."""
+
+SPEC_DECODE_NUM_DRAFTS = MetricSpec(
+    "vllm:spec_decode_num_drafts", "counter",
+    "Speculative proposals verified (one per request and step with drafts).",
+)  # fmt: skip
+SPEC_DECODE_NUM_DRAFT_TOKENS = MetricSpec(
+    "vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified by the target."
+)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = MetricSpec(
+    "vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens the target accepted."
+)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = MetricSpec(
+    "vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+    "Accepted draft tokens by their position in the proposal (0 = first).",
+    labels=("position",),
+)  # fmt: skip
+
+SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (
+    SPEC_DECODE_NUM_DRAFTS,
+    SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+)
+"""What an engine with speculative decoding exports besides `ENGINE_METRICS`."""
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING,

@@ -28,6 +28,7 @@ from fleetserve.engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     load_hf_config,
     require_choice,
     resolve_device,
@@ -94,6 +95,12 @@ class EngineArgs:
     eplb_policy: str = _arg("global", "EPLB: placement policy", choices=("global", "hierarchical"))
     kv_transfer_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
         None, 'KV connector settings, JSON: {"connector": "tcp", "role": "producer", ...}'
+    )
+    speculative_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 3}',
     )
 
     @classmethod
@@ -229,6 +236,12 @@ class EngineArgs:
                 if self.kv_transfer_config is None
                 else KVTransferConfig.from_dict(self.kv_transfer_config)
             ),
+            speculative=_speculative_config(
+                self.speculative_config,
+                hf_config,
+                max_model_len,
+                kv_transfer=self.kv_transfer_config is not None,
+            ),
         )
 
 
@@ -258,6 +271,13 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value} with kv_transfer_config asks for KV transfer from several "
                 "ranks, which this build does not implement yet (issue 16); use 1 on P/D engines"
             )
+        if args.speculative_config is not None and value > 1:
+            # NOTE: drafts are proposed and verified on one rank's runner; several ranks would
+            # need them broadcast (and a draft model sharded), which is not built.
+            raise ValueError(
+                f"{name}={value} with speculative_config is not implemented yet; speculative "
+                f"decoding needs {name}=1"
+            )
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
@@ -277,6 +297,43 @@ def _layer_partition(args: EngineArgs, hf_config: dict[str, Any]) -> tuple[int, 
             f"got {list(partition)}"
         )
     return partition
+
+
+def _speculative_config(
+    data: dict[str, Any] | None,
+    target_hf_config: dict[str, Any],
+    max_model_len: int,
+    kv_transfer: bool,
+) -> SpeculativeConfig | None:
+    """Parse `speculative_config`; a draft model must share the target's vocabulary (its token
+    ids are verified by the target as they are)."""
+    if data is None:
+        return None
+    spec = SpeculativeConfig.from_dict(data)
+    if spec.method != "draft_model":
+        return spec
+    if kv_transfer:
+        # NOTE: a remote prefill brings the target's KV only; the draft's would be missing.
+        raise ValueError(
+            "speculative_config method 'draft_model' with kv_transfer_config is not implemented "
+            "(the draft model's KV of a remotely computed prompt is not transferred); use "
+            "method 'ngram' on P/D engines"
+        )
+    assert spec.model is not None
+    draft_config = load_hf_config(spec.model)
+    draft_vocab = draft_config.get("vocab_size")
+    if draft_vocab != target_hf_config.get("vocab_size"):
+        raise ValueError(
+            f"speculative_config.model must have the target's vocabulary "
+            f"(vocab_size {target_hf_config.get('vocab_size')}), got vocab_size {draft_vocab}"
+        )
+    draft_limit = int(draft_config.get("max_position_embeddings", 2048))
+    if draft_limit < max_model_len:
+        raise ValueError(
+            f"speculative_config.model must reach max_model_len ({max_model_len}) positions, "
+            f"its max_position_embeddings is {draft_limit}"
+        )
+    return spec
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:

@@ -295,6 +295,105 @@ class KVTransferConfig:
         return cls(**data)
 
 
+_SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
+_SPEC_KEYS: dict[str, tuple[str, ...]] = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+}
+MAX_SPECULATIVE_TOKENS = 16
+"""Upper bound on drafts per step (each verified position costs a logits row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config` JSON, vLLM's shape).
+
+    `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1}` proposes, by prompt lookup, the k tokens that followed the latest
+    earlier occurrence of the request's last n tokens (n from max down to min);
+    `{"method": "draft_model", "model": path, "num_speculative_tokens": k}` runs a smaller model
+    of the same vocabulary for k steps. Either way the target verifies the k drafts in one forward
+    pass and rejection sampling keeps its output distribution exact.
+    """
+
+    method: str
+    """'ngram' (prompt lookup, no extra model) or 'draft_model'."""
+    num_speculative_tokens: int
+    """Drafts proposed per request and step (k)."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest suffix n-gram looked up."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest suffix n-gram looked up."""
+    model: str | None = None
+    """draft_model: the draft's HF model folder (same tokenizer and vocabulary as the target)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in _SPEC_METHODS,
+            "speculative_config.method",
+            f"one of {_SPEC_METHODS}",
+            self.method,
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "speculative_config.num_speculative_tokens",
+            f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+            self.num_speculative_tokens,
+        )
+        if self.method == "ngram":
+            _require(
+                isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+                "speculative_config.prompt_lookup_min",
+                "an integer >= 1",
+                self.prompt_lookup_min,
+            )
+            _require(
+                isinstance(self.prompt_lookup_max, int)
+                and self.prompt_lookup_max >= self.prompt_lookup_min,
+                "speculative_config.prompt_lookup_max",
+                f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
+                self.prompt_lookup_max,
+            )
+        else:
+            _require(
+                isinstance(self.model, str) and bool(self.model),
+                "speculative_config.model",
+                "the draft model's folder (required for method 'draft_model')",
+                self.model,
+            )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past the verified tokens: a draft model writes its own KV for
+        the next k drafts at positions the verification step does not cover."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        """Parse the JSON object of `--speculative-config`.
+
+        Raises:
+            ValueError: an unknown method, a key that method does not take, a missing key or
+                a bad value (each named).
+        """
+        method = data.get("method")
+        if method not in _SPEC_KEYS:
+            raise ValueError(
+                f"speculative_config.method must be one of {_SPEC_METHODS}, got {method!r}"
+            )
+        allowed = _SPEC_KEYS[method]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"speculative_config keys for method {method!r} must be among {list(allowed)}, "
+                f"got {unknown}"
+            )
+        if "num_speculative_tokens" not in data:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**data)
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     """Where the model runs and which attention backend it uses."""
@@ -338,6 +437,8 @@ class EngineConfig:
     eplb: EPLBConfig = field(default_factory=EPLBConfig)
     kv_transfer: KVTransferConfig | None = None
     """The KV connector of a P/D engine; None = no connector (a colocated engine)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding; None = off."""
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> EngineConfig:

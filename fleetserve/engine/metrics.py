@@ -18,6 +18,7 @@ from fleetserve.common import metric_names as names
 from fleetserve.common.metric_names import MetricSpec
 from fleetserve.engine.core.outputs import SchedulerStats
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
+from fleetserve.engine.spec_decode.stats import SpecDecodingStats
 
 
 @dataclass
@@ -43,10 +44,16 @@ def register(registry: CollectorRegistry, spec: MetricSpec) -> Any:
 
 class EngineMetrics:
     """The `vllm:*` metrics of one served model, registered in `registry` (and the
-    `fleetserve:kv_*` ones when the engine transfers KV, `kv_transfer=True`)."""
+    `fleetserve:kv_*` ones when the engine transfers KV, `kv_transfer=True`; the
+    `vllm:spec_decode_*` ones with speculative decoding, `spec_decode=True`)."""
 
     def __init__(
-        self, registry: CollectorRegistry, model_name: str, *, kv_transfer: bool = False
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        *,
+        kv_transfer: bool = False,
+        spec_decode: bool = False,
     ) -> None:
         self.model_name = model_name
 
@@ -67,6 +74,7 @@ class EngineMetrics:
         self.request_queue_time: Histogram = make(names.REQUEST_QUEUE_TIME)
         self._totals = _Totals()
         self.kv_transfer = KVTransferMetrics(registry, model_name) if kv_transfer else None
+        self.spec_decode = SpecDecodeMetrics(registry, model_name) if spec_decode else None
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Update gauges and cumulative counters from the core's per-step stats."""
@@ -85,6 +93,38 @@ class EngineMetrics:
         totals.num_preemptions = stats.num_preemptions
         if self.kv_transfer is not None and stats.kv_transfer is not None:
             self.kv_transfer.record(stats.kv_transfer)
+        if self.spec_decode is not None and stats.spec_decoding is not None:
+            self.spec_decode.record(stats.spec_decoding)
+
+
+class SpecDecodeMetrics:
+    """The `vllm:spec_decode_*` counters, from the scheduler's cumulative acceptance counts."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        self.num_drafts = register(registry, names.SPEC_DECODE_NUM_DRAFTS).labels(model_name)
+        self.num_draft_tokens = register(registry, names.SPEC_DECODE_NUM_DRAFT_TOKENS).labels(
+            model_name
+        )
+        self.num_accepted_tokens = register(registry, names.SPEC_DECODE_NUM_ACCEPTED_TOKENS).labels(
+            model_name
+        )
+        self.per_pos = register(registry, names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
+        self._seen = SpecDecodingStats()
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        seen = self._seen
+        self.num_drafts.inc(max(0, stats.num_drafts - seen.num_drafts))
+        self.num_draft_tokens.inc(max(0, stats.num_draft_tokens - seen.num_draft_tokens))
+        self.num_accepted_tokens.inc(max(0, stats.num_accepted_tokens - seen.num_accepted_tokens))
+        for position, total in enumerate(stats.num_accepted_tokens_per_pos):
+            before = (
+                seen.num_accepted_tokens_per_pos[position]
+                if position < len(seen.num_accepted_tokens_per_pos)
+                else 0
+            )
+            self.per_pos.labels(self.model_name, str(position)).inc(max(0, total - before))
+        self._seen = stats.copy()
 
 
 class KVTransferMetrics:
@@ -134,6 +174,8 @@ class StatsLogger:
     last_stats: SchedulerStats = field(default_factory=SchedulerStats)
     _last_queries: int = 0
     _last_hits: int = 0
+    _last_draft_tokens: int = 0
+    _last_accepted_tokens: int = 0
 
     def record_tokens(self, num_prompt: int, num_generated: int) -> None:
         self.prompt_tokens += num_prompt
@@ -163,6 +205,14 @@ class StatsLogger:
             f"prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
             f"generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s"
         )
+        spec = stats.spec_decoding
+        if spec is not None:
+            drafted = spec.num_draft_tokens - self._last_draft_tokens
+            accepted = spec.num_accepted_tokens - self._last_accepted_tokens
+            rate = 100.0 * accepted / drafted if drafted > 0 else 0.0
+            line += f", draft acceptance rate: {rate:.1f}% of {drafted} draft tokens"
+            self._last_draft_tokens = spec.num_draft_tokens
+            self._last_accepted_tokens = spec.num_accepted_tokens
         self.prompt_tokens = self.generation_tokens = 0
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.last_log_time = now

@@ -131,6 +131,7 @@ async def _engine_ctx(
             app[REGISTRY_KEY],
             config.served_model_name,
             kv_transfer=config.engine.kv_transfer is not None,
+            spec_decode=config.engine.speculative is not None,
         )
         engine = AsyncLLM(
             config.engine,

@@ -73,6 +73,7 @@ class EngineCore:
                 config.kv_transfer.load_failure_policy if config.kv_transfer else "fail"
             ),
             structured_output=create_manager(config),
+            speculative_config=config.speculative,
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)

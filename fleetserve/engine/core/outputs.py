@@ -16,6 +16,7 @@ from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
 from fleetserve.engine.sampling_params import SamplingParams
+from fleetserve.engine.spec_decode.stats import SpecDecodingStats
 from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 
 
@@ -71,6 +72,9 @@ class SchedulerOutput:
     """The KV connector's instructions to the workers this step (see `kv_transfer.base`)."""
     grammar_bitmask: GrammarBitmask | None = None
     """Structured output: the masks of the constrained requests that sample this step."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id → the draft tokens verified this step; they follow the request's real tokens and
+    count in its `num_scheduled_tokens` (speculative decoding)."""
 
     @property
     def is_empty(self) -> bool:
@@ -113,6 +117,8 @@ class ModelRunnerOutput:
     step that has a next prompt token (row first = that token, then the top-k)."""
     kv_connector_output: KVConnectorOutput | None = None
     """The KV connector's completions this step (loads and sends that finished or failed)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: req_id → drafts proposed for the request's next step."""
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -163,6 +169,8 @@ class SchedulerStats:
     """Cumulative preemptions."""
     kv_transfer: KVTransferStats | None = None
     """The KV connector's counters and this step's transfer observations (P/D engines)."""
+    spec_decoding: SpecDecodingStats | None = None
+    """Cumulative draft acceptance counters (engines with speculative decoding)."""
 
 
 def concat_logprobs_rows(first: LogprobsLists | None, more: LogprobsLists) -> LogprobsLists:

@@ -3,8 +3,8 @@
 Each step (`schedule`):
 
 1. RUNNING requests, oldest first: each gets `num_tokens - num_computed_tokens` new tokens (a
-   decode is 1, a prefill chunk more), capped by the long-prefill threshold, the remaining budget
-   and max_model_len. When `allocate_slots` finds no room, a victim is preempted (FCFS: the newest
+   decode is 1, plus its pending drafts under speculative decoding; a prefill chunk more), capped
+   by the long-prefill threshold, the remaining budget and max_model_len (drafts are cut first). When `allocate_slots` finds no room, a victim is preempted (FCFS: the newest
    running request; PRIORITY: the least important) and the allocation retried; if the victim is
    the current request, the running pass stops.
 2. WAITING requests (new or preempted), only if nobody was preempted this step: prefix-cache hit,
@@ -12,8 +12,9 @@ Each step (`schedule`):
 3. The `SchedulerOutput`: new requests in full, running ones as deltas; then every scheduled
    request's `num_computed_tokens` advances by its scheduled tokens.
 
-`update_from_output` appends the sampled tokens, applies the stop conditions and frees finished
-requests. A preempted request loses its blocks and its computed tokens and is resumed by recompute
+`update_from_output` rolls back the drafts the target rejected (`num_computed_tokens` loses
+them; see `spec_decode.scheduling`), appends the sampled tokens, applies the stop conditions,
+frees finished requests and keeps the runner's new drafts for the next step. A preempted request loses its blocks and its computed tokens and is resumed by recompute
 (softened by the prefix cache).
 """
 
@@ -23,7 +24,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from fleetserve.engine.config import CacheConfig, SchedulerConfig
+from fleetserve.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from fleetserve.engine.core.outputs import (
     EngineCoreOutput,
@@ -40,6 +41,7 @@ from fleetserve.engine.core.step_isolation import StepIsolation
 from fleetserve.engine.core.stop_conditions import check_stop
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
 from fleetserve.engine.request import Request, RequestStatus
+from fleetserve.engine.spec_decode.scheduling import SpecScheduling
 from fleetserve.engine.structured_output.manager import StructuredOutputManager
 from fleetserve.engine.structured_output.scheduling import StructuredOutputScheduling
 
@@ -59,6 +61,8 @@ class Scheduler:
         connector: the scheduler role of the KV connector (`NoKVConnector` when colocated).
         load_failure_policy: 'fail' or 'recompute', for remote loads that fail (`remote_kv`).
         structured_output: the engine's grammar manager (None: constrained requests refused).
+        speculative_config: speculative decoding (drafts verified after a decode's real token,
+            see `spec_decode.scheduling`); None = off.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         load_failure_policy: str = "fail",
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.connector = connector if connector is not None else NoKVConnector()
@@ -107,6 +112,11 @@ class Scheduler:
         """Requests waiting for their grammar (WAITING_FOR_GRAMMAR), step bitmasks."""
         self._grammar_failures: list[EngineCoreOutput] = []
         """Requests whose grammar failed to compile, reported by the next update."""
+        self.spec = SpecScheduling(speculative_config) if speculative_config else None
+        """Pending drafts and acceptance counters (speculative decoding only)."""
+        self.num_lookahead_tokens = self.spec.num_lookahead_tokens if self.spec else 0
+        if self.spec is not None:
+            self.spec.draft_filter = self.structured_output.valid_drafts
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -201,21 +211,30 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         new_block_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
         threshold = self._long_prefill_threshold()
 
         req_index = 0
         while req_index < len(self.running) and budget > 0:
             request = self.running[req_index]
+            drafts = self._pending_drafts(request)
             num_new = self._cap_new_tokens(
-                request, request.num_tokens - request.num_computed_tokens, threshold, budget
+                request,
+                request.num_tokens + len(drafts) - request.num_computed_tokens,
+                threshold,
+                budget,
             )
             if num_new <= 0:
                 req_index += 1
                 continue
             new_blocks: KVCacheBlocks | None = None
             while new_blocks is None:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_new,
+                    num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new),
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -229,6 +248,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -238,6 +258,10 @@ class Scheduler:
             scheduled_running.append(request)
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                scheduled_drafts = SpecScheduling.cut(request, drafts, num_new)
+                if scheduled_drafts:
+                    spec_tokens[request.request_id] = scheduled_drafts
             budget -= num_new
             req_index += 1
 
@@ -245,8 +269,12 @@ class Scheduler:
             budget = self._admit_waiting(budget, threshold, num_scheduled, scheduled_new)
 
         output = self._build_output(
-            scheduled_new, scheduled_running, new_block_ids, num_scheduled, preempted
+            scheduled_new, scheduled_running, new_block_ids, num_scheduled, preempted, spec_tokens
         )
+        if self.spec is not None:
+            for request in scheduled_running:
+                # NOTE: drafts are verified once; the step's output brings the next ones.
+                self.spec.forget(request.request_id)
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
@@ -375,6 +403,7 @@ class Scheduler:
             num_external_computed_tokens=num_external,
             full_sequence_must_fit=self.config.full_sequence_must_fit,
             watermark_blocks=watermark,
+            num_lookahead_tokens=self._lookahead(num_computed + num_new),
         )
         if new_blocks is None:
             return None
@@ -427,6 +456,18 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget, self.config.max_model_len - computed)
 
+    def _pending_drafts(self, request: Request) -> list[int]:
+        """The drafts `request` verifies if scheduled now (never past the KV cache's size)."""
+        if self.spec is None:
+            return []
+        drafts = self.spec.pending_drafts(request)
+        return drafts[: max(self.max_seq_len - request.num_tokens, 0)]
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """KV slots to reserve past `num_tokens` (a draft model's KV), within the cache's size:
+        a sole request must stay admissible."""
+        return min(self.num_lookahead_tokens, max(self.max_seq_len - num_tokens, 0))
+
     def _long_prefill_threshold(self) -> int:
         """Per-request chunk cap for this step (0 = none).
 
@@ -451,6 +492,8 @@ class Scheduler:
         # NOTE: free before resetting num_computed_tokens: `free` uses it to unindex blocks whose
         # KV was never written.
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -465,6 +508,7 @@ class Scheduler:
         new_block_ids: dict[str, list[int]],
         num_scheduled: dict[str, int],
         preempted: list[Request],
+        spec_tokens: dict[str, list[int]] | None = None,
     ) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         # NOTE: a failed step's requests were preempted outside schedule(); the runner learns it
@@ -481,8 +525,11 @@ class Scheduler:
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.scheduled_spec_decode_tokens = spec_tokens or {}
+        # NOTE: a constrained request with drafts gets 1 + k mask rows (row j: after drafts
+        # 0..j-1); its drafts were already cut to the grammar's valid prefix (`draft_filter`).
         output.grammar_bitmask = self.structured_output.bitmask(
-            scheduled_new + scheduled_running, num_scheduled
+            scheduled_new + scheduled_running, num_scheduled, spec_tokens
         )
         return output
 
@@ -509,6 +556,11 @@ class Scheduler:
             if not sampled or request is None or request.status != RequestStatus.RUNNING:
                 # NOTE: finished (aborted) or preempted since the step was scheduled: stale.
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and self.spec is not None:
+                # NOTE: before the stop checks and any free: the rejected drafts' KV is not the
+                # request's, and `free` unindexes blocks past num_computed_tokens.
+                request.num_computed_tokens -= self.spec.num_rejected(len(drafts), len(sampled))
             assert request.num_computed_tokens >= request.num_tokens, (
                 f"tokens sampled for {req_id} before its prompt was computed"
             )
@@ -540,6 +592,8 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 outputs[-1].kv_transfer_params = self._free_request(request)
+            elif self.spec is not None:
+                self.spec.set_drafts(req_id, model_runner_output.spec_token_ids.get(req_id, []))
         outputs += self._apply_connector_output(model_runner_output)
         if not scheduler_output.is_empty:
             # NOTE: only a step that computed something shows the engine works.
@@ -554,6 +608,8 @@ class Scheduler:
         """
         assert request.is_finished, f"freeing unfinished request {request.request_id}"
         self.isolation.forget(request.request_id)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
         if delay_free:
@@ -597,6 +653,7 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec.stats.copy() if self.spec is not None else None,
         )
 
     def check_invariants(self) -> None:

@@ -266,6 +266,13 @@ class Sampler(torch.nn.Module):
             logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         return logits.softmax(dim=-1)
 
+    def sample_from_probs(
+        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
+        """One categorical draw per row of `probs` [rows, vocab] (speculative decoding draws
+        its recovered and bonus tokens with the same exact method and generators)."""
+        return self._exponential_race(probs, generators)
+
     def _exponential_race(
         self, probs: torch.Tensor, generators: dict[int, torch.Generator]
     ) -> torch.Tensor:

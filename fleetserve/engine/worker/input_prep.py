@@ -10,7 +10,8 @@ null block 0, slot -1, which writes nothing), and the launch geometry depends on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,7 +40,10 @@ class StepInputs:
     """The decode-graph size this batch was padded to, or None (runs eagerly, unpadded)."""
     sample_req_indices: list[int]
     """Indices into `req_ids` of the requests that sample this step."""
-    logits_indices: torch.Tensor  # [num_sampling] int64, their last token in the flat batch
+    logits_indices: torch.Tensor  # [num_logits] int64: per sampling request, its drafts' and
+    # its last token's rows in the flat batch (one row without drafts)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    """Per sampling request (parallel to `sample_req_indices`): drafts verified this step."""
 
 
 @dataclass
@@ -74,6 +78,7 @@ class InputPreparer:
         batch: InputBatch,
         num_scheduled_tokens: dict[str, int],
         graphs: DecodeGraphs | None,
+        num_draft_tokens: Mapping[str, int] | None = None,
     ) -> StepInputs:
         """The inputs of the requests scheduled this step (at least one token in total).
 
@@ -81,6 +86,8 @@ class InputPreparer:
             batch: the persistent batch, already updated for this step.
             num_scheduled_tokens: request id → tokens to compute this step.
             graphs: the decode graphs a uniform decode batch may be padded for; None = never pad.
+            num_draft_tokens: request id → drafts at the end of its scheduled tokens (they are
+                in its batch row); each gets a logits row besides the last token's.
         """
         scheduled = sorted(
             (r for r, n in num_scheduled_tokens.items() if n > 0),
@@ -133,6 +140,16 @@ class InputPreparer:
             ids, pos = buf.input_ids.to_device(total), buf.positions.to_device(total)
         buf.record_copies()
         sample_idx = [i for i, row in enumerate(rows) if seq_lens[i] == batch.num_tokens[row]]
+        drafts = num_draft_tokens or {}
+        num_drafts = [drafts.get(scheduled[i], 0) for i in sample_idx]
+        ends = cu_query[sample_idx]
+        if any(num_drafts):
+            counts = np.array(num_drafts, dtype=np.int64) + 1
+            # Each sampling request's last `count` rows: ..., end - 2, end - 1.
+            within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            logits_rows = np.repeat(ends - counts, counts) + within
+        else:
+            logits_rows = ends - 1
         return StepInputs(
             req_ids=scheduled,
             input_ids=ids,
@@ -140,7 +157,8 @@ class InputPreparer:
             metadata=metadata,
             padded_size=padded,
             sample_req_indices=sample_idx,
-            logits_indices=torch.from_numpy(cu_query[sample_idx] - 1).to(self.device),
+            logits_indices=torch.from_numpy(logits_rows).to(self.device),
+            num_draft_tokens=num_drafts,
         )
 
     def padding_only(self, size: int) -> PaddedInputs:

@@ -14,6 +14,9 @@ Lifecycle (driven by the `Worker`): `load_model()` → `bind_kv_caches(caches)` 
    padded decode batches); logits only for requests whose every token is computed after this step
    (a prefill chunk that stops short samples nothing).
 4. sample, append the sampled tokens to the requests' states, report them (plus logprobs).
+   Under speculative decoding (`spec_decode.decoder`) the scheduled drafts sit after each
+   request's real tokens, every draft position gets a logits row, the rejection sampler keeps
+   the accepted prefix plus one token, and the proposer drafts the next step's tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sa
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.loader import load_model
+from fleetserve.engine.spec_decode.decoder import SpecDecoder
 from fleetserve.engine.structured_output.bitmask import batch_bitmask
 from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
@@ -77,6 +81,10 @@ class ModelRunner:
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(config.model.seed)
         self.sampler = Sampler(default_generator)
+        self.spec: SpecDecoder | None = None
+        """Speculative decoding (drafts written, verified and proposed each step), or None."""
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config, context, self.sampler, self.vocab_size)
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         """One cache per attention layer, in layer order (allocated by the worker)."""
@@ -106,6 +114,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config, self.arch, self.layer_context)
+        if self.spec is not None:
+            self.spec.load_model()
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Adopt one KV cache per attention layer, in layer order (the model must be loaded).
@@ -122,6 +132,9 @@ class ModelRunner:
             )
         self.kv_caches = list(kv_caches)
         self._kv_caches_by_layer = dict(zip(names, kv_caches, strict=True))
+        if self.spec is not None:
+            # NOTE: a draft model's caches are its own group, indexed by the same block ids.
+            self.spec.bind_kv_caches(kv_caches[0].shape[1])
 
     def attention_layer_names(self) -> list[str]:
         """The attention layers' names, in layer order (how KV hooks name them)."""
@@ -198,10 +211,12 @@ class ModelRunner:
         hooks = self.kv_hooks
         if connector is not None and connector.saves_this_step:
             hooks = connector
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         inputs = self.input_preparer.prepare(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
             self.decode_graphs if hooks is None else None,
+            {req_id: len(tokens) for req_id, tokens in drafts.items()},
         )
         model = self.model
         context = ForwardContext(inputs.metadata, self._kv_caches_by_layer, kv_hooks=hooks)
@@ -227,7 +242,7 @@ class ModelRunner:
             # scheduler's deltas next step (`_sync_tokens`).
             if hidden_states is not None:
                 sampled, logprobs = self._sample(
-                    inputs, hidden_states, scheduler_output.grammar_bitmask
+                    inputs, hidden_states, drafts, scheduler_output.grammar_bitmask
                 )
                 prompt = prompt_logprobs(
                     model,
@@ -239,25 +254,39 @@ class ModelRunner:
                 )
         if hooks is connector and connector is not None:
             connector.wait_for_save()
-        for req_id in inputs.req_ids:
+        for req_id, tokens in zip(inputs.req_ids, sampled, strict=True):
             state = self.requests[req_id]
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            # NOTE: rejected drafts are not computed: the next steps rewrite their slots.
+            num_rejected = len(drafts[req_id]) + 1 - len(tokens) if req_id in drafts else 0
+            state.num_computed_tokens += (
+                scheduler_output.num_scheduled_tokens[req_id] - num_rejected
+            )
             row = self.input_batch.req_id_to_index[req_id]
             self.input_batch.num_computed_tokens[row] = state.num_computed_tokens
+        spec_token_ids: dict[str, list[int]] = {}
+        if self.spec is not None:
+            sampled_states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
+            with torch.inference_mode():
+                spec_token_ids = self.spec.propose(self.input_batch, inputs, sampled_states)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt,
+            spec_token_ids=spec_token_ids,
         )
 
     def _sample(
         self,
         inputs: StepInputs,
         hidden_states: torch.Tensor,
+        drafts: dict[str, list[int]],
         grammar_bitmask: GrammarBitmask | None = None,
     ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
-        """Sample the requests that complete their tokens; append each token to its state."""
+        """Sample the requests that complete their tokens; append each token to its state.
+
+        With drafts (speculative decoding) a request gets its accepted drafts and one token of
+        the target's, all appended."""
         assert self.model is not None
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -265,6 +294,17 @@ class ModelRunner:
             return sampled, logprobs
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
+        if any(inputs.num_draft_tokens):
+            assert self.spec is not None, "drafts scheduled without speculative decoding"
+            request_drafts = [drafts.get(state.req_id, []) for state in states]
+            tokens, logprobs = self.spec.verify(logits, states, request_drafts, grammar_bitmask)
+            for index, state, token_ids in zip(
+                inputs.sample_req_indices, states, tokens, strict=True
+            ):
+                sampled[index] = token_ids
+                for token_id in token_ids:
+                    self._append_token(state, token_id)
+            return sampled, logprobs
         metadata = self._sampling_metadata(states)
         metadata.grammar_bitmask = batch_bitmask(
             grammar_bitmask, [s.req_id for s in states], self.device
@@ -292,6 +332,8 @@ class ModelRunner:
             block_ids = torch.tensor(so.new_block_ids_to_zero, device=self.device)
             for kv_cache in self.kv_caches:
                 kv_cache[:, block_ids] = 0
+            if self.spec is not None:
+                self.spec.zero_blocks(block_ids)
         for new in so.scheduled_new_reqs:
             batch.remove_request(new.req_id)
         batch.condense()
@@ -312,6 +354,10 @@ class ModelRunner:
                 batch.num_computed_tokens[row] = state.num_computed_tokens
             if cached.new_token_ids[i]:
                 self._sync_tokens(state, cached.new_token_ids[i])
+        if self.spec is not None:
+            for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+                self.spec.forget(req_id)
+            self.spec.write_drafts(batch, self.requests, so.scheduled_spec_decode_tokens)
 
     def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
         previous = self.requests.get(new.req_id)

@@ -38,6 +38,7 @@ from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import num_kv_heads_per_rank
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.loader import build_layer_context, torch_dtype
+from fleetserve.engine.spec_decode.draft_model import draft_kv_block_bytes
 from fleetserve.engine.worker.cuda_graphs import cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_prep import cdiv
 from fleetserve.engine.worker.model_runner import ModelRunner
@@ -145,7 +146,9 @@ class Worker:
         arch = self.arch
         kv_size = self._num_kv_heads * arch.head_size
         per_layer = 2 * self.config.cache.block_size * kv_size * element_bytes
-        return per_layer * self._num_layers
+        # NOTE: a draft model's own caches take the same block ids (speculative decoding).
+        draft = draft_kv_block_bytes(self.config, element_bytes)
+        return per_layer * self._num_layers + draft
 
     @property
     def _num_layers(self) -> int:
