@@ -34,6 +34,7 @@ __all__ = [
     "PREFIX_CACHE_HITS",
     "PREFIX_CACHE_QUERIES",
     "PROMPT_TOKENS",
+    "PROMPT_TOKENS_WAITING",
     "REQUEST_QUEUE_TIME",
     "ROUTER_DECISIONS",
     "ROUTER_EJECTIONS",
@@ -90,6 +91,11 @@ NUM_REQUESTS_RUNNING = MetricSpec(
 NUM_REQUESTS_WAITING = MetricSpec(
     "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."
 )
+PROMPT_TOKENS_WAITING = MetricSpec(
+    "fleetserve:prompt_tokens_waiting", "gauge",
+    "Prompt tokens not yet computed: waiting requests' whole prompts plus the rest of"
+    " partially prefilled ones (the prefill backlog the autoscaler divides by throughput).",
+)  # fmt: skip
 KV_CACHE_USAGE = MetricSpec(
     "vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full)."
 )
@@ -184,6 +190,7 @@ KV_TRANSFER_METRICS: tuple[MetricSpec, ...] = (
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS_WAITING,
     KV_CACHE_USAGE,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
