@@ -27,6 +27,7 @@ from fleetserve.api.labels import (
     LABEL_ROLE,
 )
 from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.operator.autoscale.replicas import with_effective_replicas
 from fleetserve.operator.builders import Owner, build_children, router_name
 from fleetserve.operator.errors import SpecProblem, spec_problem
 from fleetserve.operator.kube import Kube
@@ -108,6 +109,8 @@ def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> Re
     spec: InferenceDeploymentSpec | None = None
     try:
         spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        # The autoscaler's (or the spec's) groups per role: everything below reads these.
+        spec = with_effective_replicas(spec, body.get("status"))
         desired = build_children(spec, owner)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         hashes = role_compatibility_hashes(spec) if spec is not None else None
