@@ -67,7 +67,7 @@ def test_rates_between_two_scrapes() -> None:
     assert ld.prompt_tokens_per_s == 4000
     # 4000 tok/s finished and the backlog grew by 2000 tok/s: 6000 tok/s arrive.
     assert ld.prompt_tokens_arriving_per_s == 6000
-    assert ld.saturated
+    assert (ld.prompt_tokens_waiting_before, ld.interval_s) == (2000, 2)
     assert ld.mean_uncached_prompt_tokens == pytest.approx(2000 * 0.75)
     assert ld.mean_itl_s == pytest.approx(0.05)
     assert ld.kv_usage == 0.5

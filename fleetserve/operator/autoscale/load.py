@@ -98,8 +98,10 @@ class EngineLoad:
     prompt_tokens_arriving_per_s: float = 0.0
     """Finished plus the growth of the backlog: prompt tokens arriving, per second."""
     prompt_tokens_waiting: float = 0.0
-    saturated: bool = False
-    """A backlog at both ends of the interval: `prompt_tokens_per_s` is its throughput."""
+    prompt_tokens_waiting_before: float = 0.0
+    """The backlog at the start of the interval."""
+    interval_s: float = 0.0
+    """Seconds between the two scrapes (0: a first scrape, gauges only)."""
     mean_uncached_prompt_tokens: float | None = None
     """Mean prompt tokens per first token, less the prefix-cache hits (None: no request)."""
     requests_waiting: float = 0.0
@@ -142,7 +144,8 @@ def engine_load(previous: EngineCounters | None, current: EngineCounters) -> Eng
         gauges,
         prompt_tokens_per_s=finished,
         prompt_tokens_arriving_per_s=max(0.0, finished + growth),
-        saturated=previous.prompt_tokens_waiting > 0 and current.prompt_tokens_waiting > 0,
+        prompt_tokens_waiting_before=previous.prompt_tokens_waiting,
+        interval_s=dt,
         mean_uncached_prompt_tokens=(
             None if mean_prompt is None else mean_prompt * (1.0 - min(1.0, hit_fraction))
         ),

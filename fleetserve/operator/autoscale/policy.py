@@ -6,7 +6,8 @@ Per tick, for each autoscaled role:
        measured prefill throughput V (tokens/s per replica) at a utilisation the TTFT budget
        allows, plus the backlog (engines' queued prompt tokens, and the router's queued requests
        × the mean prompt) drained within the budget B = targetTTFT − (uncached prompt ÷ V);
-       V starts at `tokensPerSecond` and follows what saturated engines actually finish;
+       V starts at `tokensPerSecond` and follows what busy engines (a backlog of more than an
+       interval's work) actually finish;
      - decode: the largest of Σ KV usage ÷ maxKVUsage, ready × (mean ITL ÷ targetITL), and
        ready × (running + waiting) ÷ running when requests wait;
   2. a recommendation: the current size when needed ÷ current is within 1 ± tolerance (so a
@@ -48,11 +49,18 @@ HISTORY_LIMIT = 7202
 _THROUGHPUT_WEIGHT = 0.3
 """Weight of a new throughput sample in V's moving average (smooths lumpy completions)."""
 
+_ARRIVAL_WEIGHT = 0.3
+"""Weight of this tick's arrival rate in its moving average (about 3 ticks of memory)."""
+
 _MIN_BUDGET_FRACTION = 0.25
 """The backlog is drained within at least this share of targetTTFT, even when the uncached
 prompt alone takes longer (a floor, so that the backlog term stays finite)."""
 
 _UTILISATION_BOUNDS = (0.5, 0.9)
+
+_BUSY_INTERVALS = 1.5
+"""A throughput sample needs a backlog of this many intervals' work (at the current estimate)
+at the interval's start: then the engine cannot have run dry, even if it is a bit faster."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,8 @@ class PolicyState:
     """Per role, (time, recommendation), oldest first, at most HISTORY_LIMIT."""
     prefill_tokens_per_s: float | None = None
     """Measured prefill throughput per replica (None: not measured yet, use the prior)."""
+    prefill_arriving_per_s: float | None = None
+    """Moving average of the prompt tokens arriving per second (None: no tick yet)."""
 
     def record(self, role: str, now: float, recommendation: int, keep_s: float) -> None:
         entries = self.history.setdefault(role, deque(maxlen=HISTORY_LIMIT))
@@ -110,7 +120,17 @@ def _prefill_need(
     inputs: dict[str, float],
 ) -> tuple[float, str]:
     loads = list(obs.loads.values())
-    samples = [ld.prompt_tokens_per_s for ld in loads if ld.saturated and ld.prompt_tokens_per_s]
+    v = state.prefill_tokens_per_s or scaling.tokens_per_second
+    # NOTE: only an engine that had more queued than it can finish in the interval was busy
+    # all along, so only there is its finished-token rate its throughput (at low load a
+    # backlog at both ends says little: it may have idled in between).
+    samples = [
+        ld.prompt_tokens_per_s
+        for ld in loads
+        if ld.interval_s > 0
+        and ld.prompt_tokens_waiting_before >= _BUSY_INTERVALS * v * ld.interval_s
+        and ld.prompt_tokens_waiting > 0
+    ]
     if samples:
         measured = sum(samples) / len(samples)
         prior = state.prefill_tokens_per_s or measured
@@ -118,7 +138,15 @@ def _prefill_need(
             1 - _THROUGHPUT_WEIGHT
         ) * prior + _THROUGHPUT_WEIGHT * measured
     v = state.prefill_tokens_per_s or scaling.tokens_per_second
-    arriving = sum(ld.prompt_tokens_arriving_per_s for ld in loads)
+    # NOTE: the arrival rate is averaged (Poisson arrivals and whole-prompt completions make
+    # one interval's rate noisy, and the scale-down window keeps the highest recommendation);
+    # a step up still acts at once through the backlog term, which is not averaged.
+    sampled = sum(ld.prompt_tokens_arriving_per_s for ld in loads)
+    before = state.prefill_arriving_per_s
+    arriving = (
+        sampled if before is None else (1 - _ARRIVAL_WEIGHT) * before + _ARRIVAL_WEIGHT * sampled
+    )
+    state.prefill_arriving_per_s = arriving
     prompts = [ld.mean_uncached_prompt_tokens for ld in loads if ld.mean_uncached_prompt_tokens]
     prompt = sum(prompts) / len(prompts) if prompts else 0.0
     backlog = sum(ld.prompt_tokens_waiting for ld in loads) + router_queue * prompt
