@@ -17,6 +17,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from fleetserve.api.models import API_VERSION, PLURAL
+from fleetserve.api.role_adapter import ROLE_KIND, ROLE_PLURAL
 
 __all__ = ["FIELD_MANAGER", "Kube", "resource_path"]
 
@@ -32,6 +33,7 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
         "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
         "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
+        ROLE_KIND: (f"/apis/{API_VERSION}", ROLE_PLURAL),
     }
 )
 
@@ -138,6 +140,16 @@ class Kube:
             "PATCH",
             path,
             body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """JSON merge patch of an object's main resource (not its status)."""
+        self.writes.append(f"PATCH {kind}/{name}")
+        self._call(
+            "PATCH",
+            resource_path(kind, namespace, name),
+            body=patch,
             content_type="application/merge-patch+json",
         )
 
