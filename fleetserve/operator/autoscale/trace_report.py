@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         "--target", type=float, default=0.95, help="attainment the static pool needs"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--initial-prefill", type=int, default=1, help="groups at t=0")
+    parser.add_argument("--initial-decode", type=int, default=1)
     parser.add_argument("--plot", type=Path, default=None, help="PNG to write")
     args = parser.parse_args(argv)
     trace = Trace.parse(args.trace)
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         output_tokens=args.output_tokens,
         cold_start_s=args.cold_start,
         seed=args.seed,
+        initial={"prefill": args.initial_prefill, "decode": args.initial_decode},
     )
     scaled = sim.run(trace, args.duration)
     pool = static_pool(sim, trace, args.duration, args.target)
