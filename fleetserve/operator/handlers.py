@@ -98,8 +98,13 @@ def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
     with state.lock_for(key):
         result = reconcile(_kube(state), body)
         # NOTE: after the reconcile, under the same lock, from live reads: a scale through a
-        # role's adapter is carried into the spec (and the next event reconciles it).
-        adapter_events = sync_role_adapters(_kube(state), meta["namespace"], meta["name"])
+        # role's adapter is carried into the spec (and the next event reconciles it). A spec
+        # the operator cannot realise (phase Failed) gets no new objects, adapters included.
+        adapter_events = (
+            sync_role_adapters(_kube(state), meta["namespace"], meta["name"])
+            if result.status.get("phase") != "Failed"
+            else []
+        )
     generation = int(body["metadata"].get("generation", 1))
     for kind, reason, message in [*result.events, *adapter_events]:
         if kind == "Warning":

@@ -58,6 +58,7 @@ STATUS_REFRESH_S = 30.0
 """`lastScaleDecision` is rewritten when a role's desired size changes, else at most this often
 (so its inputs stay current without a status write every tick)."""
 _MAX_SCRAPES_IN_FLIGHT = 16
+_MAX_TICKS_IN_FLIGHT = 4
 _LOOP_GRANULARITY_S = 0.2
 
 
@@ -177,6 +178,9 @@ class Autoscaler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every due deployment until `stop` is set (ticks of one deployment never overlap)."""
+        # NOTE: ticks run in the loop's default executor, which kopf's sync handlers share:
+        # at most _MAX_TICKS_IN_FLIGHT of its threads are the autoscaler's at any time.
+        slots = asyncio.Semaphore(_MAX_TICKS_IN_FLIGHT)
         while not stop.is_set():
             now = self.clock()
             with self._guard:
@@ -185,13 +189,17 @@ class Autoscaler:
                     t.next_due = now + t.interval_s
             if due:
                 results = await asyncio.gather(
-                    *(asyncio.to_thread(self.tick, t) for t in due), return_exceptions=True
+                    *(self._tick_in_thread(slots, t) for t in due), return_exceptions=True
                 )
                 for t, result in zip(due, results, strict=True):
                     if isinstance(result, BaseException):
                         log.warning("autoscaler tick of %s failed: %r", t.key, result)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _LOOP_GRANULARITY_S)
+
+    async def _tick_in_thread(self, slots: asyncio.Semaphore, target: _Target) -> Decision | None:
+        async with slots:
+            return await asyncio.to_thread(self.tick, target)
 
     def tick(self, target: _Target) -> Decision | None:
         """One scrape-decide-write round for `target`; None when it is gone or not autoscaled.
