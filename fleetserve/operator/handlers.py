@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
+from dataclasses import dataclass
 from typing import Any, cast
 
 import kopf
@@ -48,17 +48,21 @@ def _post_event(body: dict[str, Any], kind: str, reason: str, message: str) -> N
     kopf.event(cast(Any, body), type=kind, reason=reason, message=message)
 
 
-def _post_event_later(
-    memo: kopf.Memo, body: dict[str, Any], kind: str, reason: str, message: str
-) -> None:
-    """Post from a thread kopf did not start: in the context of a kopf handler seen before.
+@dataclass
+class _EventContext:
+    """Posts kopf events from threads kopf did not start (the autoscaler's).
 
     kopf.event needs kopf's event-queue context variables, which its resource handlers carry
-    but the startup handler (where the autoscaler task starts) does not.
+    but the startup handler (where the autoscaler task starts) does not; so a handler's context
+    is kept here. One object for the operator: kopf gives each resource a shallow copy of the
+    memo, which shares it.
     """
-    context: contextvars.Context | None = getattr(memo, "event_context", None)
-    if context is not None:
-        context.copy().run(_post_event, body, kind, reason, message)
+
+    context: contextvars.Context | None = None
+
+    def post(self, body: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        if self.context is not None:
+            self.context.copy().run(_post_event, body, kind, reason, message)
 
 
 @kopf.on.startup()
@@ -68,9 +72,8 @@ async def on_operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, 
     metrics = AutoscalerMetrics()
     address = getattr(memo, "metrics_address", None)
     memo.metrics_server = serve_metrics(metrics, address) if address else None
-    memo.autoscaler = Autoscaler(
-        _kube(state), metrics, state.lock_for, functools.partial(_post_event_later, memo)
-    )
+    memo.event_context = _EventContext()
+    memo.autoscaler = Autoscaler(_kube(state), metrics, state.lock_for, memo.event_context.post)
     memo.autoscaler_stop = asyncio.Event()
     memo.autoscaler_task = asyncio.create_task(memo.autoscaler.run(memo.autoscaler_stop))
 
@@ -146,7 +149,7 @@ def on_inferencedeployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> N
         memo.state.warned.pop(f"{meta['namespace']}/{meta['name']}", None)
         memo.autoscaler.forget(meta["namespace"], meta["name"])
         return
-    memo.event_context = contextvars.copy_context()
+    memo.event_context.context = contextvars.copy_context()
     memo.autoscaler.track(obj)
     _reconcile(memo.state, meta["namespace"], meta["name"], obj)
 
