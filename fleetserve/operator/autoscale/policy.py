@@ -5,7 +5,8 @@ Per tick, for each autoscaled role:
      - prefill, from the input side: prompt tokens arriving (finished + backlog growth) ÷ the
        measured prefill throughput V (tokens/s per replica) at a utilisation the TTFT budget
        allows, plus the backlog (engines' queued prompt tokens, and the router's queued requests
-       × the mean prompt) drained within the budget B = targetTTFT − (uncached prompt ÷ V);
+       × the mean prompt) drained within the budget B = targetTTFT − (uncached prompt ÷ V),
+       less what the running replicas' spare capacity drains within B anyway;
        V starts at `tokensPerSecond` and follows what busy engines (a backlog of more than an
        interval's work) actually finish;
      - decode: the largest of Σ KV usage ÷ maxKVUsage, ready × (mean ITL ÷ targetITL), and
@@ -157,13 +158,20 @@ def _prefill_need(
     # NOTE: M/D/1's mean wait ρ·s / (2(1−ρ)) stays within the budget B for ρ <= 2B / (s + 2B).
     lo, hi = _UTILISATION_BOUNDS
     utilisation = min(hi, max(lo, 2 * budget / (service_s + 2 * budget)))
-    need = arriving / (v * utilisation) + backlog / (v * budget)
+    # NOTE: the replicas already serving drain part of the queue within the budget with their
+    # spare capacity; only the rest needs new replicas. So the queue an M/D/1-like pool always
+    # holds at moderate load does not add replicas (it made a noisy steady load flap), while a
+    # step, with no spare capacity, counts all of its backlog.
+    spare = max(0.0, len(loads) * v - arriving)
+    excess = max(0.0, backlog - spare * budget)
+    need = arriving / (v * utilisation) + excess / (v * budget)
     if not loads and router_queue > 0:
         need = max(need, 1.0)
     inputs.update(
         {
             "prefill_tokens_arriving_per_s": arriving,
             "prefill_backlog_tokens": backlog,
+            "prefill_excess_backlog_tokens": excess,
             "prefill_tokens_per_s_per_replica": v,
             "prefill_mean_uncached_prompt_tokens": prompt,
             "prefill_budget_s": budget,
