@@ -167,8 +167,10 @@ def test_prefill_follows_the_backlog_within_the_windows_and_bounds(
     name = "sim"
     trace, peers = tmp_path / "trace.json", tmp_path / "peers"
     t0 = time.time()
-    # Phase 1, noisy steady: 2 req/s ±15% of 8k-token prompts, 1.3–1.8 prefill replicas' need.
-    _write_trace(trace, "steady:rate=2,noise=0.15", t0)
+    # Phase 1, noisy steady: 2.6 req/s ±15% of 8k-token prompts, a need of 1.3–1.8 prefill
+    # replicas. (A load whose need straddles a whole number moves at each short scale-down
+    # window, as HPA's would: the default window is 300 s, this test's 14 s.)
+    _write_trace(trace, "steady:rate=2.6,noise=0.15", t0)
     env.apply(ns, _doc(name, trace, peers))
     with dev_cluster.api_client() as api:
         rec = Recorder(client.CustomObjectsApi(api), ns, name)
