@@ -21,12 +21,8 @@ def operator_env(
 ) -> Iterator[OperatorEnv]:
     kubectl_bin = find_binaries().bin_dir / "kubectl"
     env = OperatorEnv(dev_cluster, kubectl_bin, Path(), tmp_path_factory.mktemp("operator"))
-    env.kubectl(
-        "apply",
-        "--server-side",
-        "-f",
-        str(ROOT / "crds" / "inferencedeployments.fleetserve.io.yaml"),
-    )
+    # Every CRD of the install (the InferenceDeployment and its per-role scale adapter).
+    env.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(ROOT / "crds"))
     env.kubectl("apply", "-f", str(ROOT / "manifests" / "namespace.yaml"))
     env.kubectl("apply", "-f", str(ROOT / "manifests" / "operator" / "rbac.yaml"))
     env.kubectl("wait", "--for=condition=Established", "crd/inferencedeployments.fleetserve.io")

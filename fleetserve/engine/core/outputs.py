@@ -159,6 +159,8 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_prompt_tokens: int = 0
+    """Prompt tokens still to compute, of waiting and of partially prefilled running requests."""
     kv_cache_usage: float = 0.0
     """Fraction of usable KV blocks (excluding the null block) held by requests, in [0, 1]."""
     prefix_cache_queries: int = 0

@@ -649,6 +649,10 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting)
             + len(self.remote_kv.parked)
             + len(self.structured_output),
+            num_waiting_prompt_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for r in (*self.waiting, *self.running)
+            ),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
