@@ -30,11 +30,10 @@ from fleetserve.api.models import GROUP, PLURAL, VERSION, Autoscaling
 from fleetserve.devcluster.binaries import find_binaries
 from fleetserve.devcluster.testing import DevCluster
 from tests.devcluster.helpers import poll
-from tests.test_operator.helpers import SA_NAME, SA_NAMESPACE, OperatorEnv
+from tests.test_operator.helpers import OperatorEnv
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 LOCAL = {
     "nodeSelector": {"fleetserve.io/local-node": "true"},
     "tolerations": [
@@ -78,11 +77,7 @@ def scaling_operator(
     env = MetricsOperator(
         dev_cluster, find_binaries().bin_dir / "kubectl", Path(), tmp_path_factory.mktemp("op")
     )
-    env.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(ROOT / "crds"))
-    env.kubectl("apply", "-f", str(ROOT / "manifests" / "namespace.yaml"))
-    env.kubectl("apply", "-f", str(ROOT / "manifests" / "operator" / "rbac.yaml"))
-    env.kubectl("wait", "--for=condition=Established", "crd/inferencedeployments.fleetserve.io")
-    env.sa_kubeconfig = dev_cluster.service_account_kubeconfig(SA_NAME, SA_NAMESPACE)
+    env.install()
     env.start()
     try:
         yield env
