@@ -1,0 +1,123 @@
+"""KV transfer between tensor-parallel engines: prefill TP=a → decode TP=b gives the colocated
+(TP=1) greedy tokens exactly, with only the prompt's last token computed on the decode side.
+
+Real `EngineCore`s with the `mp` executor (one worker process per rank, gloo), each rank with
+its own KV cache, control channel and tcp transport: same TP (rank r pulls from rank r), TP=2 → 1
+(the decode rank reads head slices from both producer ranks into one block) and TP=1 → 2 (each
+decode rank reads its slice of the producer's blocks). The HTTP test through the router is
+tests/router/test_hetero_e2e.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.engine_core import EngineCore
+from fleetserve.engine.core.outputs import EngineCoreOutput
+from fleetserve.engine.sampling_params import SamplingParams
+from tests.engine.tiny_models import make_prompts, make_tiny_model
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+KV = {"connector": "tcp", "transfer_mode": "pull", "transfer_timeout_s": 30.0}
+
+
+def _engine(model: Path, kv: dict[str, Any] | None, tp: int) -> EngineCore:
+    return EngineCore(
+        EngineConfig.create(
+            str(model), dtype="float32", device="cpu", num_kv_blocks=48,
+            tensor_parallel_size=tp, kv_transfer_config=kv,
+        )
+    )  # fmt: skip
+
+
+def _run(core: EngineCore, max_steps: int = 2000) -> dict[str, list[EngineCoreOutput]]:
+    results: dict[str, list[EngineCoreOutput]] = {}
+    for _ in range(max_steps):
+        if not core.scheduler.has_unfinished_requests():
+            return results
+        for output in core.step():
+            results.setdefault(output.req_id, []).append(output)
+    raise AssertionError("requests did not finish")
+
+
+def _tokens(outputs: list[EngineCoreOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 4 KV heads: 2 per rank at TP=2, so a TP=1 block is two ranks' halves.
+    return make_tiny_model(tmp_path_factory.mktemp("hetero"), "llama", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(512, [5, 33, 47], seed=7)
+
+
+@pytest.fixture(scope="module")
+def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    core = _engine(model, None, tp=1)
+    try:
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"r{i}", prompt, GREEDY, eos_token_ids=())
+        results = _run(core)
+    finally:
+        core.shutdown()
+    return [_tokens(results[f"r{i}"]) for i in range(len(prompts))]
+
+
+@pytest.fixture(params=[(2, 2), (2, 1), (1, 2)], ids=["tp2-to-tp2", "tp2-to-tp1", "tp1-to-tp2"])
+def pair(request: pytest.FixtureRequest, model: Path) -> Iterator[tuple[EngineCore, EngineCore]]:
+    producer_tp, consumer_tp = request.param
+    producer = _engine(model, {**KV, "role": "producer"}, producer_tp)
+    try:
+        consumer = _engine(model, {**KV, "role": "consumer"}, consumer_tp)
+    except BaseException:
+        producer.shutdown()
+        raise
+    try:
+        yield producer, consumer
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def test_prefill_then_decode_across_tp_sizes_gives_the_colocated_tokens(
+    pair: tuple[EngineCore, EngineCore], prompts: list[list[int]], colocated: list[list[int]]
+) -> None:
+    producer, consumer = pair
+    for i, prompt in enumerate(prompts):
+        producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
+                             kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    prefilled = _run(producer)
+    for i, prompt in enumerate(prompts):
+        (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
+        consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
+                             kv_transfer_params=last.kv_transfer_params)  # fmt: skip
+    results: dict[str, list[EngineCoreOutput]] = {}
+    for _ in range(4000):
+        if not consumer.scheduler.has_unfinished_requests():
+            break
+        for output in consumer.step():
+            results.setdefault(output.req_id, []).append(output)
+        producer.step()
+    for i, prompt in enumerate(prompts):
+        outputs = results[f"d{i}"]
+        assert outputs[-1].error is None, outputs[-1].error
+        assert _tokens(outputs) == colocated[i], i
+        # Only the last prompt token was computed here: the rest came from the producer.
+        assert outputs[0].num_cached_tokens == len(prompt) - 1, (i, outputs[0].num_cached_tokens)
+    assert consumer.scheduler.remote_kv.num_failed_loads == 0
+    for _ in range(400):  # the producer frees every held block once the consumer is done
+        if not producer.scheduler.remote_kv.held:
+            break
+        producer.step()
+    assert not producer.scheduler.remote_kv.held
+    assert producer.make_stats().kv_cache_usage == 0.0
