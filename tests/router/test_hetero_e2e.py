@@ -13,7 +13,6 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import requests
