@@ -37,7 +37,8 @@ otherwise it pulls those ranks' whole blocks into staging buffers and copies its
 into its blocks (our blocks are token-major, `[block_size, heads, head_size]`, so a head slice is
 not contiguous in a block). A consumer rank's load that ended (landed or failed, nothing still
 writing) is a vote; each step the ranks gather their votes, and the driver reports the load (and
-sends `Done`) only once every rank voted: so no rank's blocks are used, or reused, early.
+sends `Done`) only once every rank voted: so no rank's blocks are used, or reused, early
+(a gather per step only while a load is open).
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ class P2PConnectorWorker:
         self._local_votes: dict[str, str | None] = {}
         """Loads this rank ended since the last gather: request id → failure (None: landed)."""
         self._votes: dict[str, dict[int, str | None]] = {}
-        """(Driver.) Every rank's vote on each load, until all ranks voted."""
+        """Every rank's vote on each load, until all ranks voted (the same on every rank)."""
+        self._open: set[str] = set()
+        """Loads started and not yet voted on by every rank (the same on every rank)."""
         self.control = ControlServer(config.host, config.side_channel_port, self._on_control)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -496,12 +499,18 @@ class P2PConnectorWorker:
             load.failure = failure
 
     def _agree(self, output: KVConnectorOutput) -> None:
-        """(Every rank, every step: a collective.) Gather the ranks' votes; the driver reports
-        each load every rank voted on, or sends `Done` first when all landed."""
+        """(Every rank, a collective.) Gather the ranks' votes; the driver reports each load
+        every rank voted on, or sends `Done` first when all landed.
+
+        NOTE: only while some load is open: every rank opens a load at the same step (the
+        step's metadata is the same on every rank) and closes it when the gathered votes (the
+        same on every rank) are complete, so all ranks agree on whether to gather without
+        asking; steps without loads in flight pay nothing.
+        """
+        if not self._open:
+            return
         votes, self._local_votes = self._local_votes, {}
         gathered = self.ranks.all_gather(votes)
-        if self.ranks.rank != 0:
-            return
         for rank, rank_votes in enumerate(gathered):
             for request_id, failure in rank_votes.items():
                 box = self._votes.setdefault(request_id, {})
@@ -511,7 +520,8 @@ class P2PConnectorWorker:
             if len(box) < self.ranks.size:
                 continue
             del self._votes[request_id]
-            load = self._loads.get(request_id)
+            self._open.discard(request_id)
+            load = self._loads.get(request_id) if self.ranks.rank == 0 else None
             if load is None:
                 continue
             failures = [f"rank {r}: {f}" for r, f in sorted(box.items()) if f is not None]
@@ -584,6 +594,8 @@ class P2PConnectorWorker:
 
     def _start_load(self, spec: LoadSpec, now: float) -> None:
         self._loads[spec.request_id] = _Load(spec)
+        if self.ranks.size > 1:
+            self._open.add(spec.request_id)
         self.ledger.watch(spec.request_id, spec.deadline_s)
         if spec.error is not None:
             self.ledger.report(spec.request_id, TransferStage.REGISTRATION, spec.error)

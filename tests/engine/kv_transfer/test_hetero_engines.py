@@ -10,6 +10,7 @@ tests/router/test_hetero_e2e.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,44 @@ def test_prefill_then_decode_across_tp_sizes_gives_the_colocated_tokens(
         producer.step()
     assert not producer.scheduler.remote_kv.held
     assert producer.make_stats().kv_cache_usage == 0.0
+
+
+def test_a_load_every_rank_fails_is_reported_once_and_recomputed(
+    model: Path, prompts: list[list[int]], colocated: list[list[int]]
+) -> None:
+    # The producer's leases expire before the TP=2 consumer asks: each consumer rank's check
+    # fails, the ranks' votes agree, and the driver reports each load once as failed; under
+    # `recompute` the blocks are recomputed and the tokens are still the colocated ones.
+    producer = _engine(model, {**KV, "role": "producer", "lease_seconds": 0.5}, tp=1)
+    consumer = _engine(model, {**KV, "role": "consumer", "load_failure_policy": "recompute"}, 2)
+    try:
+        for i, prompt in enumerate(prompts):
+            producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
+                                 kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        prefilled = _run(producer)
+        for _ in range(2000):  # nobody heartbeats: the reaper frees every held block
+            if not producer.scheduler.remote_kv.held:
+                break
+            producer.step()
+            time.sleep(0.005)
+        assert not producer.scheduler.remote_kv.held
+        for i, prompt in enumerate(prompts):
+            (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
+            consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
+                                 kv_transfer_params=last.kv_transfer_params)  # fmt: skip
+        results: dict[str, list[EngineCoreOutput]] = {}
+        for _ in range(4000):
+            if not consumer.scheduler.has_unfinished_requests():
+                break
+            for output in consumer.step():
+                results.setdefault(output.req_id, []).append(output)
+            producer.step()
+        for i in range(len(prompts)):
+            outputs = results[f"d{i}"]
+            assert outputs[-1].error is None, outputs[-1].error
+            assert _tokens(outputs) == colocated[i], i
+        assert consumer.scheduler.remote_kv.num_failed_loads == len(prompts)
+        assert consumer.make_stats().kv_cache_usage == 0.0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
