@@ -64,14 +64,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    core = _engine(model, None, tp=1)
-    try:
-        for i, prompt in enumerate(prompts):
-            core.add_request(f"r{i}", prompt, GREEDY, eos_token_ids=())
-        results = _run(core)
-    finally:
-        core.shutdown()
-    return [_tokens(results[f"r{i}"]) for i in range(len(prompts))]
+    return _colocated(model, prompts)
 
 
 @pytest.fixture(params=[(2, 2), (2, 1), (1, 2)], ids=["tp2-to-tp2", "tp2-to-tp1", "tp1-to-tp2"])
@@ -160,6 +153,54 @@ def test_a_load_every_rank_fails_is_reported_once_and_recomputed(
             assert _tokens(outputs) == colocated[i], i
         assert consumer.scheduler.remote_kv.num_failed_loads == len(prompts)
         assert consumer.make_stats().kv_cache_usage == 0.0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def _colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    core = _engine(model, None, tp=1)
+    try:
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"r{i}", prompt, GREEDY, eos_token_ids=())
+        results = _run(core)
+    finally:
+        core.shutdown()
+    return [_tokens(results[f"r{i}"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (1, 2)])
+def test_replicated_kv_heads_map_between_tp_sizes(
+    producer_tp: int, consumer_tp: int, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    # One KV head: at TP=2 both ranks hold (a replica of) it, so each consumer rank reads it
+    # whole from the lowest producer rank that holds it.
+    model = make_tiny_model(tmp_path, "llama", num_key_value_heads=1)
+    expected = _colocated(model, prompts)
+    producer = _engine(model, {**KV, "role": "producer"}, producer_tp)
+    consumer = _engine(model, {**KV, "role": "consumer"}, consumer_tp)
+    try:
+        for i, prompt in enumerate(prompts):
+            producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
+                                 kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        prefilled = _run(producer)
+        for i, prompt in enumerate(prompts):
+            (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
+            consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
+                                 kv_transfer_params=last.kv_transfer_params)  # fmt: skip
+        results: dict[str, list[EngineCoreOutput]] = {}
+        for _ in range(4000):
+            if not consumer.scheduler.has_unfinished_requests():
+                break
+            for output in consumer.step():
+                results.setdefault(output.req_id, []).append(output)
+            producer.step()
+        for i, prompt in enumerate(prompts):
+            outputs = results[f"d{i}"]
+            assert outputs[-1].error is None, outputs[-1].error
+            assert _tokens(outputs) == expected[i], i
+            assert outputs[0].num_cached_tokens == len(prompt) - 1
+        assert consumer.scheduler.remote_kv.num_failed_loads == 0
     finally:
         consumer.shutdown()
         producer.shutdown()
