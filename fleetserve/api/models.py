@@ -240,8 +240,8 @@ class Autoscaling(_Model):
 
 
 _TENSOR_TRANSFER = (
-    "prefill and decode roles with tensor > 1 need kvTransfer.connector tcp with transferMode"
-    " pull (mooncake and push move KV between tensor 1 roles only)"
+    "prefill and decode roles with tensor > 1 need kvTransfer.transferMode pull (push moves KV"
+    " between tensor 1 roles only)"
 )
 
 
@@ -263,10 +263,10 @@ def _spec_rules() -> list[JsonValue]:
         },
         {
             # What the engine's connector supports (issue 16): between tensor-parallel engines
-            # of any sizes only tcp in pull mode (the handshake refuses KV heads that do not
-            # map); mooncake and push move KV between tensor 1 engines only.
-            "rule": "has(self.roles.unified) || (self.kvTransfer.connector == 'tcp' &&"
-            " (!has(self.kvTransfer.transferMode) || self.kvTransfer.transferMode == 'pull')) ||"
+            # of any sizes in pull mode (the handshake refuses KV heads that do not map); push
+            # moves KV between tensor 1 engines only.
+            "rule": "has(self.roles.unified) ||"
+            " !has(self.kvTransfer.transferMode) || self.kvTransfer.transferMode == 'pull' ||"
             " (self.roles.prefill.parallelism.tensor == 1 &&"
             " self.roles.decode.parallelism.tensor == 1)",
             "message": _TENSOR_TRANSFER,
@@ -313,9 +313,7 @@ class InferenceDeploymentSpec(_Model):
             self.kv_transfer.connector != "none"
         ):
             raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
-        if has_pd and not (
-            self.kv_transfer.connector == "tcp" and self.kv_transfer.transfer_mode == "pull"
-        ):
+        if has_pd and self.kv_transfer.transfer_mode != "pull":
             sizes = {n: r.parallelism.tensor for n, r in self.roles.items()}
             if any(size != 1 for size in sizes.values()):
                 raise ValueError(f"{_TENSOR_TRANSFER} (tensor sizes: {sizes})")

@@ -270,16 +270,15 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
             f"pipeline_parallel_size={args.pipeline_parallel_size} with kv_transfer_config asks "
             "for KV transfer between pipeline stages, which this build does not implement yet "
             "(issue 16); P/D engines need pipeline_parallel_size 1 (tensor parallel is supported "
-            "with the tcp connector in pull mode)"
+            "in pull mode)"
         )
     if kv is not None and args.tensor_parallel_size > 1:
-        connector, mode = kv.get("connector", "tcp"), kv.get("transfer_mode", "pull")
-        if connector != "tcp" or mode != "pull":
+        mode = kv.get("transfer_mode", "pull")
+        if mode != "pull":
             raise ValueError(
                 f"tensor_parallel_size={args.tensor_parallel_size} with kv_transfer_config "
-                f"connector {connector!r}, transfer_mode {mode!r} is not implemented (issue 16): "
-                "KV transfer between tensor-parallel engines needs the 'tcp' connector in "
-                "'pull' mode"
+                f"transfer_mode {mode!r} is not implemented (issue 16): KV transfer between "
+                "tensor-parallel engines needs transfer_mode 'pull' (tcp or mooncake)"
             )
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         value = getattr(args, name)

@@ -2,7 +2,7 @@
 (TP=1) greedy tokens exactly, with only the prompt's last token computed on the decode side.
 
 Real `EngineCore`s with the `mp` executor (one worker process per rank, gloo), each rank with
-its own KV cache, control channel and tcp transport: same TP (rank r pulls from rank r), TP=2 → 1
+its own KV cache, control channel and transport (tcp or Mooncake): same TP (rank r pulls from rank r), TP=2 → 1
 (the decode rank reads head slices from both producer ranks into one block) and TP=1 → 2 (each
 decode rank reads its slice of the producer's blocks). The HTTP test through the router is
 tests/router/test_hetero_e2e.py.
@@ -67,12 +67,23 @@ def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     return _colocated(model, prompts)
 
 
-@pytest.fixture(params=[(2, 2), (2, 1), (1, 2)], ids=["tp2-to-tp2", "tp2-to-tp1", "tp1-to-tp2"])
+@pytest.fixture(
+    params=[
+        ("tcp", 2, 2),
+        ("tcp", 2, 1),
+        ("tcp", 1, 2),
+        ("mooncake", 2, 2),
+        ("mooncake", 2, 1),
+        ("mooncake", 1, 2),
+    ],
+    ids=lambda p: f"{p[0]}-tp{p[1]}-to-tp{p[2]}",
+)
 def pair(request: pytest.FixtureRequest, model: Path) -> Iterator[tuple[EngineCore, EngineCore]]:
-    producer_tp, consumer_tp = request.param
-    producer = _engine(model, {**KV, "role": "producer"}, producer_tp)
+    connector, producer_tp, consumer_tp = request.param
+    kv = {**KV, "connector": connector}
+    producer = _engine(model, {**kv, "role": "producer"}, producer_tp)
     try:
-        consumer = _engine(model, {**KV, "role": "consumer"}, consumer_tp)
+        consumer = _engine(model, {**kv, "role": "consumer"}, consumer_tp)
     except BaseException:
         producer.shutdown()
         raise

@@ -26,12 +26,15 @@ KV = {"connector": "tcp", "role": "consumer"}
     [
         ({"pipeline_parallel_size": 2, "kv_transfer_config": KV}, "pipeline_parallel_size=2"),
         (
-            {"tensor_parallel_size": 2, "kv_transfer_config": {**KV, "connector": "mooncake"}},
-            "connector 'mooncake'.*needs the 'tcp' connector in 'pull' mode",
+            {"tensor_parallel_size": 2, "kv_transfer_config": {**KV, "transfer_mode": "push"}},
+            "transfer_mode 'push'.*needs transfer_mode 'pull'",
         ),
         (
-            {"tensor_parallel_size": 2, "kv_transfer_config": {**KV, "transfer_mode": "push"}},
-            "transfer_mode 'push'.*needs the 'tcp' connector in 'pull' mode",
+            {
+                "tensor_parallel_size": 2,
+                "kv_transfer_config": {**KV, "connector": "mooncake", "transfer_mode": "push"},
+            },
+            "transfer_mode 'push'.*needs transfer_mode 'pull'",
         ),
     ],
 )
@@ -42,11 +45,13 @@ def test_unsupported_parallel_kv_transfer_is_refused_by_name(
         EngineArgs(model="/nonexistent", **args).create_engine_config()
 
 
-def test_tensor_parallel_tcp_pull_passes_the_refusal() -> None:
+@pytest.mark.parametrize("connector", ["tcp", "mooncake"])
+def test_tensor_parallel_pull_passes_the_refusal(connector: str) -> None:
     # The refusal is lifted: the next check to fail is the missing model folder.
+    kv = {**KV, "connector": connector}
     with pytest.raises(ValueError, match="model must be a Hugging Face model folder"):
         EngineArgs(
-            model="/nonexistent", tensor_parallel_size=2, kv_transfer_config=KV
+            model="/nonexistent", tensor_parallel_size=2, kv_transfer_config=kv
         ).create_engine_config()
 
 
@@ -110,7 +115,8 @@ def _spec(connector: str, mode: str, prefill_tp: int, decode_tp: int) -> dict[st
         ("tcp", "push", 1, 1, True),
         ("tcp", "push", 2, 2, False),
         ("mooncake", "pull", 1, 1, True),
-        ("mooncake", "pull", 2, 2, False),
+        ("mooncake", "pull", 2, 1, True),
+        ("mooncake", "push", 2, 2, False),
         ("mooncake", "push", 1, 2, False),
     ],
 )
@@ -128,3 +134,4 @@ def test_crd_accepts_exactly_the_tensor_sizes_the_engine_supports(
     rules = schema["properties"]["spec"]["x-kubernetes-validations"]
     (rule,) = [r for r in rules if "transferMode pull" in r["message"]]
     assert "self.kvTransfer.transferMode == 'pull'" in rule["rule"]
+    assert "connector" not in rule["rule"]
