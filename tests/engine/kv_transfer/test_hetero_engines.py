@@ -10,6 +10,8 @@ tests/router/test_hetero_e2e.py.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,6 +214,56 @@ def test_replicated_kv_heads_map_between_tp_sizes(
             assert _tokens(outputs) == expected[i], i
             assert outputs[0].num_cached_tokens == len(prompt) - 1
         assert consumer.scheduler.remote_kv.num_failed_loads == 0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def test_a_load_one_rank_fails_is_reported_only_once_that_rank_stopped(
+    model: Path, prompts: list[list[int]], colocated: list[list[int]]
+) -> None:
+    # TP=2 -> TP=2 with the producer's rank 1 frozen (SIGSTOP): consumer rank 0 pulls its heads
+    # from producer rank 0, but rank 1's pull cannot start. The driver must not report the load
+    # until rank 1's transfer has failed and stopped (its vote names it), and under `fail` the
+    # request ends with that error instead of decoding with half its heads missing. Once the
+    # rank runs again, the next request hands over and decodes exactly.
+    producer = _engine(model, {**KV, "role": "producer"}, 2)
+    consumer = _engine(
+        model, {**KV, "role": "consumer", "transfer_timeout_s": 3.0, "handshake_timeout_s": 2.0}, 2
+    )
+    frozen = producer.executor.worker_pids[1]  # type: ignore[attr-defined]
+    try:
+        params = []
+        for i, prompt in enumerate(prompts[:2]):
+            producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
+                                 kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        prefilled = _run(producer)
+        for i in range(2):
+            (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
+            params.append(last.kv_transfer_params)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            # The producer is not stepped while frozen (its rank 0 still serves the control
+            # channel and its blocks from background threads).
+            consumer.add_request("d0", prompts[0], GREEDY, eos_token_ids=(),
+                                 kv_transfer_params=params[0])  # fmt: skip
+            results = _run(consumer)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        (error,) = [o.error for o in results["d0"] if o.error is not None]
+        assert "kv_transfer_failed" in error and "rank 1:" in error, error
+        consumer.add_request("d1", prompts[1], GREEDY, eos_token_ids=(),
+                             kv_transfer_params=params[1])  # fmt: skip
+        results = {}
+        for _ in range(4000):
+            if not consumer.scheduler.has_unfinished_requests():
+                break
+            for output in consumer.step():
+                results.setdefault(output.req_id, []).append(output)
+            producer.step()
+        assert results["d1"][-1].error is None, results["d1"][-1].error
+        assert _tokens(results["d1"]) == colocated[1]
+        assert results["d1"][0].num_cached_tokens == len(prompts[1]) - 1
     finally:
         consumer.shutdown()
         producer.shutdown()
