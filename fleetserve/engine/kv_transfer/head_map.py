@@ -116,7 +116,8 @@ class HeadSlice:
 def plan_head_slices(producer: KVLayout, consumer: KVLayout, consumer_rank: int) -> list[HeadSlice]:
     """What consumer rank `consumer_rank` reads: one slice per run of consecutive heads that one
     producer rank holds, in the consumer's head order. A head replicated on several producer
-    ranks is read from the lowest of them.
+    ranks is read from the producer rank of the same index when it is one of them (so equal
+    TP sizes pair rank r with rank r, replicated heads included), else from the lowest.
 
     Raises:
         ValueError: a pair this connector cannot map (the message names both layouts): pipeline
@@ -138,7 +139,9 @@ def plan_head_slices(producer: KVLayout, consumer: KVLayout, consumer_rank: int)
         raise ValueError(f"cannot map KV heads between these engines: {e} ({pair})") from None
     slices: list[HeadSlice] = []
     for dst, head in enumerate(mine):
-        rank = next(r for r, held in enumerate(holders) if head in held)
+        owners = [r for r, held in enumerate(holders) if head in held]
+        # Same rank when it holds the head (same TP: rank r reads rank r), else the lowest.
+        rank = consumer_rank if consumer_rank in owners else owners[0]
         src = head - holders[rank].start
         last = slices[-1] if slices else None
         if (

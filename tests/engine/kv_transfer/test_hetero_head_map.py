@@ -52,12 +52,20 @@ def test_tp4_to_tp2_and_back() -> None:
     assert plan_head_slices(_layout(2), _layout(4), 3) == [HeadSlice(1, 1, 0, 1)]
 
 
-def test_replicated_heads_are_read_from_the_lowest_holder() -> None:
+def test_replicated_heads_are_read_from_the_same_rank_or_the_lowest_holder() -> None:
     # 2 KV heads over 4 producer ranks: head 0 on ranks 0-1, head 1 on ranks 2-3.
     assert plan_head_slices(_layout(4, heads=2), _layout(1, heads=2), 0) == [
         HeadSlice(0, 0, 0, 1),
         HeadSlice(2, 0, 1, 1),
     ]
+    # Equal TP with replicated heads: rank r still reads rank r.
+    for rank in range(4):
+        assert plan_head_slices(_layout(4, heads=2), _layout(4, heads=2), rank) == [
+            HeadSlice(rank, 0, 0, 1)
+        ]
+    # TP=4 -> TP=2 with 2 heads: consumer rank 1 (head 1) reads it from producer rank 2 or 3,
+    # not its own index (producer rank 1 holds head 0).
+    assert plan_head_slices(_layout(4, heads=2), _layout(2, heads=2), 1) == [HeadSlice(2, 0, 0, 1)]
     # A replicated consumer rank reads its one head.
     assert plan_head_slices(_layout(1, heads=2), _layout(4, heads=2), 3) == [HeadSlice(0, 1, 0, 1)]
 
