@@ -25,6 +25,8 @@ from fleetserve.engine.core.outputs import EngineCoreOutput
 from fleetserve.engine.sampling_params import SamplingParams
 from tests.engine.tiny_models import make_prompts, make_tiny_model
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 KV = {"connector": "tcp", "transfer_mode": "pull", "transfer_timeout_s": 30.0}
