@@ -333,6 +333,12 @@ class Autoscaling(_Model):
         return self
 
 
+_TENSOR_TRANSFER = (
+    "prefill and decode roles with tensor > 1 need kvTransfer.transferMode pull (push moves KV"
+    " between tensor 1 roles only)"
+)
+
+
 def _spec_rules() -> list[JsonValue]:
     """CEL rules across roles, connector and autoscaling (messages name the rule)."""
     return [
@@ -350,14 +356,14 @@ def _spec_rules() -> list[JsonValue]:
             "message": "prefill/decode roles need a KV connector (tcp or mooncake); unified needs none",
         },
         {
-            "rule": "self.kvTransfer.connector != 'mooncake' || has(self.roles.unified) ||"
-            " self.roles.prefill.parallelism.tensor == self.roles.decode.parallelism.tensor",
-            "message": "the mooncake connector needs equal prefill and decode tensor sizes",
-        },
-        {
-            "rule": "self.kvTransfer.connector != 'tcp' || has(self.roles.unified) ||"
-            " self.roles.prefill.parallelism.tensor <= self.roles.decode.parallelism.tensor",
-            "message": "the tcp connector needs prefill tensor <= decode tensor",
+            # What the engine's connector supports (issue 16): between tensor-parallel engines
+            # of any sizes in pull mode (the handshake refuses KV heads that do not map); push
+            # moves KV between tensor 1 engines only.
+            "rule": "has(self.roles.unified) ||"
+            " !has(self.kvTransfer.transferMode) || self.kvTransfer.transferMode == 'pull' ||"
+            " (self.roles.prefill.parallelism.tensor == 1 &&"
+            " self.roles.decode.parallelism.tensor == 1)",
+            "message": _TENSOR_TRANSFER,
         },
         {
             "rule": "!has(self.autoscaling) || !self.autoscaling.enabled ||"
@@ -401,6 +407,10 @@ class InferenceDeploymentSpec(_Model):
             self.kv_transfer.connector != "none"
         ):
             raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
+        if has_pd and self.kv_transfer.transfer_mode != "pull":
+            sizes = {n: r.parallelism.tensor for n, r in self.roles.items()}
+            if any(size != 1 for size in sizes.values()):
+                raise ValueError(f"{_TENSOR_TRANSFER} (tensor sizes: {sizes})")
         if self.kv_transfer.protocol == "rdma" and self.kv_transfer.connector != "mooncake":
             raise ValueError(
                 "kvTransfer.protocol rdma needs the mooncake connector (tcp runs over TCP only)"

@@ -202,7 +202,8 @@ class EngineCore:
         last call move into them: call this once per step)."""
         stats = self.scheduler.make_stats()
         if self.config.kv_transfer is not None:
-            (kv,) = self.executor.collective_rpc("kv_connector_stats")
+            # NOTE: the driver rank's counters (with TP it reports the loads for all ranks).
+            kv = self.executor.collective_rpc("kv_connector_stats")[0]
             kv.blocks_recomputed = self.scheduler.remote_kv.num_recomputed_blocks
             stats.kv_transfer = kv
         return stats
