@@ -16,6 +16,10 @@ Each step (`schedule`):
 them; see `spec_decode.scheduling`), appends the sampled tokens, applies the stop conditions,
 frees finished requests and keeps the runner's new drafts for the next step. A preempted request loses its blocks and its computed tokens and is resumed by recompute
 (softened by the prefix cache).
+
+With `max_concurrent_batches > 1` (pipeline parallelism) several scheduled batches may be in
+flight at once: a request is in at most one of them and is skipped until its batch's output
+returns (`batch_queue.InFlightRequests`), and an output applies only to the requests it carried.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from fleetserve.engine.core.batch_queue import InFlightRequests
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from fleetserve.engine.core.outputs import (
     EngineCoreOutput,
@@ -63,6 +68,8 @@ class Scheduler:
         structured_output: the engine's grammar manager (None: constrained requests refused).
         speculative_config: speculative decoding (drafts verified after a decode's real token,
             see `spec_decode.scheduling`); None = off.
+        max_concurrent_batches: batches the engine keeps in flight at once (its executor's);
+            above 1, requests in flight are tracked and skipped (see module doc).
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class Scheduler:
         load_failure_policy: str = "fail",
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         self.config = scheduler_config
         self.connector = connector if connector is not None else NoKVConnector()
@@ -117,6 +125,8 @@ class Scheduler:
         self.num_lookahead_tokens = self.spec.num_lookahead_tokens if self.spec else 0
         if self.spec is not None:
             self.spec.draft_filter = self.structured_output.valid_drafts
+        self.in_flight = InFlightRequests() if max_concurrent_batches > 1 else None
+        """Requests of the batches scheduled but not yet updated (None: one batch at a time)."""
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -218,6 +228,9 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and budget > 0:
             request = self.running[req_index]
+            if self._is_in_flight(request):
+                req_index += 1
+                continue
             drafts = self._pending_drafts(request)
             num_new = self._cap_new_tokens(
                 request,
@@ -277,7 +290,14 @@ class Scheduler:
                 self.spec.forget(request.request_id)
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
+        if self.in_flight is not None and num_scheduled:
+            self.in_flight.add(output, scheduled_new + scheduled_running)
         return output
+
+    def _is_in_flight(self, request: Request) -> bool:
+        """Whether `request` is in a batch whose output has not been applied yet (its next
+        tokens depend on that output, and its state is about to change)."""
+        return self.in_flight is not None and request in self.in_flight
 
     def _schedule_alone(self, request: Request) -> SchedulerOutput:
         """A step that runs only `request` (a suspect, waiting since its step failed), making
@@ -365,6 +385,8 @@ class Scheduler:
         """Move WAITING/PREEMPTED requests into RUNNING while they fit; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self._is_in_flight(request):
+                break  # NOTE: preempted while in flight: re-admitted once its batch is back
             num_new = self._admit(request, budget, threshold)
             if num_new is None:
                 break
@@ -544,10 +566,15 @@ class Scheduler:
             One `EngineCoreOutput` per request that received tokens this step.
         """
         outputs, self._grammar_failures = self._grammar_failures, []
+        carried = None if self.in_flight is None else self.in_flight.complete(scheduler_output)
         for req_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
+            if carried is not None and request not in carried:
+                # NOTE: finished since the batch was scheduled, maybe resubmitted under the same
+                # id (another object): the output is not this request's.
+                continue
             prompt_rows = model_runner_output.prompt_logprobs.get(req_id)
             if prompt_rows is not None and request is not None:
                 request.prompt_logprobs_rows = concat_logprobs_rows(
