@@ -262,7 +262,10 @@ class MultiprocExecutor(Executor):
 
     def _diverged(self, rank: int, error: str) -> None:
         # NOTE: a non-driver rank failed a step its driver passed: the ranks' states
-        # (persistent batch, KV) no longer agree, and no retry can mend that.
+        # (persistent batch, KV) no longer agree, and no retry can mend that. A peer's death
+        # surfaces first as this rank's failed send or collective: report the death then.
+        time.sleep(POLL_S)
+        self.check_health()
         self._die(f"worker rank {rank} failed a step alone: {error}")
         self.check_health()
 
