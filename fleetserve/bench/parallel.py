@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pp-batches", default="", help="batches in flight for the PP=2 throughput table, "
         "e.g. 1,2 (default: no table)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="token budget per step of the PP table (a smaller one spreads prefills over batches)",
+    )  # fmt: skip
 
 
 def step_time_us(
@@ -119,11 +123,14 @@ def pp_throughput_tokens_s(model_dir: Path, args: argparse.Namespace, num_batche
     from fleetserve.engine.core.engine_core import EngineCore
     from fleetserve.engine.sampling_params import SamplingParams
 
+    budget = {}
+    if args.max_num_batched_tokens is not None:
+        budget["max_num_batched_tokens"] = args.max_num_batched_tokens
     config = EngineConfig.create(
         str(model_dir), dtype="float32", device=args.device,
         load_format="safetensors" if args.model else "dummy", pipeline_parallel_size=2,
         max_model_len=args.input_len + args.output_len + 8, max_num_seqs=args.num_prompts,
-        enforce_eager=True,
+        enforce_eager=True, **budget,
     )  # fmt: skip
     core = EngineCore(config, max_concurrent_batches=num_batches)
     try:

@@ -45,10 +45,6 @@ class StepFuture:
         future.result()
         return future
 
-    def done(self) -> bool:
-        """Whether `result()` was already taken (it then returns at once)."""
-        return self._wait is None
-
     def result(self) -> ModelRunnerOutput:
         """The step's output.
 

@@ -42,6 +42,10 @@ def test_a_worker_killed_with_batches_in_flight_ends_the_engine(
             if len(core.batch_queue) == 2:
                 break
         assert len(core.batch_queue) == 2, "two batches were never in flight"
+        # A call to every rank between steps in flight: the driver's step results that arrive
+        # before its reply are kept for the steps' futures.
+        assert executor.collective_rpc("get_kv_cache_block_bytes") == [2 * 1 * 8 * 2 * 32 * 4] * 2
+        assert sum(len(out.new_token_ids) for _ in range(6) for out in core.step()) > 0
         pids = executor.worker_pids
         os.kill(pids[killed_rank], signal.SIGKILL)
         killed_at = time.monotonic()
