@@ -11,7 +11,10 @@ pieces of state follow a batch from submission to its result:
 - `InFlightRequests` (the scheduler's): which `Request` objects each batch carries. A request
   in an in-flight batch has nothing to compute until that batch's sampled token returns, so
   the scheduler skips it; the result of a batch applies only to the very objects it carried
-  (a request aborted and resubmitted under the same id meanwhile is another object).
+  (a request aborted and resubmitted under the same id meanwhile is another object). It also
+  sizes the micro-batches: a batch takes an even share of the schedulable requests over the
+  batch slots still free, so that a steady decode of R requests over P stages runs P batches
+  of R / P instead of one batch of R (which would leave every stage but one idle).
 
 Why reusing a freed block is safe while batches are in flight: every stage applies batches in
 submission order and touches only its own layers' KV, so a block freed after batch N was
@@ -90,9 +93,14 @@ class BatchQueue:
 
 
 class InFlightRequests:
-    """The scheduler's view of the in-flight batches: which requests each one carries."""
+    """The scheduler's view of the in-flight batches: which requests each one carries.
 
-    def __init__(self) -> None:
+    Args:
+        capacity: batches in flight at most (the engine core's batch queue's capacity).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
         self._by_batch: dict[int, tuple[SchedulerOutput, frozenset[Request]]] = {}
         """id(scheduler_output) → (the output, kept alive so the id stays unique; its requests)."""
         self._requests: set[Request] = set()
@@ -103,6 +111,12 @@ class InFlightRequests:
     def __len__(self) -> int:
         """Batches in flight."""
         return len(self._by_batch)
+
+    def share(self, num_schedulable: int) -> int:
+        """Requests the next batch may carry: `num_schedulable` (the requests not in flight
+        that could be scheduled now) spread evenly over the batch slots still free (>= 1)."""
+        free_slots = max(self.capacity - len(self._by_batch), 1)
+        return max(1, -(-num_schedulable // free_slots))
 
     def add(self, scheduler_output: SchedulerOutput, requests: Iterable[Request]) -> None:
         """A batch carrying `requests` was scheduled (each request in at most one batch)."""

@@ -19,7 +19,9 @@ frees finished requests and keeps the runner's new drafts for the next step. A p
 
 With `max_concurrent_batches > 1` (pipeline parallelism) several scheduled batches may be in
 flight at once: a request is in at most one of them and is skipped until its batch's output
-returns (`batch_queue.InFlightRequests`), and an output applies only to the requests it carried.
+returns (`batch_queue.InFlightRequests`), a batch takes an even share of the schedulable
+requests over the free batch slots (so each stage gets one), and an output applies only to the
+requests it carried.
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ class Scheduler:
         self.num_lookahead_tokens = self.spec.num_lookahead_tokens if self.spec else 0
         if self.spec is not None:
             self.spec.draft_filter = self.structured_output.valid_drafts
-        self.in_flight = InFlightRequests() if max_concurrent_batches > 1 else None
+        self.in_flight = (
+            InFlightRequests(max_concurrent_batches) if max_concurrent_batches > 1 else None
+        )
         """Requests of the batches scheduled but not yet updated (None: one batch at a time)."""
 
     # -- request lifecycle -------------------------------------------------------------------
@@ -224,9 +228,10 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
         threshold = self._long_prefill_threshold()
+        max_reqs = self._max_batch_requests()
 
         req_index = 0
-        while req_index < len(self.running) and budget > 0:
+        while req_index < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = self.running[req_index]
             if self._is_in_flight(request):
                 req_index += 1
@@ -279,7 +284,7 @@ class Scheduler:
             req_index += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, threshold, num_scheduled, scheduled_new)
+            budget = self._admit_waiting(budget, threshold, num_scheduled, scheduled_new, max_reqs)
 
         output = self._build_output(
             scheduled_new, scheduled_running, new_block_ids, num_scheduled, preempted, spec_tokens
@@ -293,6 +298,15 @@ class Scheduler:
         if self.in_flight is not None and num_scheduled:
             self.in_flight.add(output, scheduled_new + scheduled_running)
         return output
+
+    def _max_batch_requests(self) -> int:
+        """Requests this batch may carry: all of them, or under pipelining its even share of
+        the schedulable ones (`InFlightRequests.share`), so every stage gets a batch."""
+        if self.in_flight is None:
+            return self.config.max_num_seqs
+        num_running = sum(1 for request in self.running if request not in self.in_flight)
+        num_admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        return self.in_flight.share(num_running + max(num_admissible, 0))
 
     def _is_in_flight(self, request: Request) -> bool:
         """Whether `request` is in a batch whose output has not been applied yet (its next
@@ -381,9 +395,16 @@ class Scheduler:
         threshold: int,
         num_scheduled: dict[str, int],
         scheduled_new: list[Request],
+        max_reqs: int,
     ) -> int:
-        """Move WAITING/PREEMPTED requests into RUNNING while they fit; returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """Move WAITING/PREEMPTED requests into RUNNING while they fit (the step carrying at
+        most `max_reqs` requests); returns the budget left."""
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_reqs
+        ):
             request = self.waiting.peek()
             if self._is_in_flight(request):
                 break  # NOTE: preempted while in flight: re-admitted once its batch is back

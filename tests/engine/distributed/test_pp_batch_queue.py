@@ -65,6 +65,7 @@ class _Run:
         self.tokens: dict[str, list[int]] = {}
         self.max_depth = 0
         self.preempted_in_flight = 0
+        self.batch_sizes: list[int] = []
 
     def step(self) -> None:
         scheduler = self.scheduler
@@ -75,6 +76,7 @@ class _Run:
             self.preempted_in_flight += len(output.preempted_req_ids & in_flight)
             assert not set(output.num_scheduled_tokens) & in_flight, "scheduled twice in flight"
             if not output.is_empty:
+                self.batch_sizes.append(len(output.num_scheduled_tokens))
                 self.queue.append((output, _fake_model(scheduler, output)))
                 self.max_depth = max(self.max_depth, len(self.queue))
                 return
@@ -117,6 +119,23 @@ def test_batches_in_flight_give_the_synchronous_tokens(depth: int) -> None:
         assert scheduler.kv_cache_manager.num_free_blocks == 13
     assert results[depth] == results[1]
     assert all(len(tokens) == 8 for tokens in results[1].values())
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_steady_decode_is_split_over_the_stages(depth: int) -> None:
+    """Six requests decoding over `depth` stages run as `depth` batches of 6 / depth: not one
+    batch of six that leaves the other stages idle."""
+    results = {}
+    for d in (1, depth):
+        scheduler = _scheduler(d, num_blocks=40)
+        for i in range(6):
+            scheduler.add_request(make_request(f"r{i}", [i + 1, 2], 12, block_size=BLOCK_SIZE))
+        run = _Run(scheduler, d)
+        results[d] = run.until_done()
+        if d > 1:
+            assert run.batch_sizes == [6 // d] * (len(run.batch_sizes)), run.batch_sizes
+            assert len(run.batch_sizes) == 12 * d
+    assert results[depth] == results[1]
 
 
 def test_a_request_in_flight_waits_for_its_output() -> None:
