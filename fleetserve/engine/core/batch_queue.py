@@ -102,7 +102,8 @@ class InFlightRequests:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._by_batch: dict[int, tuple[SchedulerOutput, frozenset[Request]]] = {}
-        """id(scheduler_output) → (the output, kept alive so the id stays unique; its requests)."""
+        """id(scheduler_output) → (the output, kept alive so that the id stays unique, and the
+        requests it carries)."""
         self._requests: set[Request] = set()
 
     def __contains__(self, request: Request) -> bool:
