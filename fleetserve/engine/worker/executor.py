@@ -4,10 +4,10 @@
 `distributed_executor_backend`: `UniProcExecutor` ('uni': one worker, called directly in this
 process) or `MultiprocExecutor` ('mp': one worker process per rank, in
 `multiproc_executor.py`). Both implement the same methods: `initialize` and `shutdown` once,
-`execute_model` per step (or `execute_model_async`, which returns a `StepFuture`, so that
-several batches can be in flight: `max_concurrent_batches`), `collective_rpc` for anything every rank must run (weight reloads,
-EPLB's expert rearrangement between steps, ...), and `check_health`, which the engine core calls
-between steps so that a dead worker ends the engine even while it is idle.
+`execute_model` per step (or `execute_model_async`, which returns a `StepFuture`, so that up to
+`max_concurrent_batches` steps are in flight), `collective_rpc` for anything every rank must run
+(weight reloads, EPLB's expert rearrangement between steps, ...), and `check_health`, which the
+engine core calls between steps so that a dead worker ends the engine even while it is idle.
 """
 
 from __future__ import annotations

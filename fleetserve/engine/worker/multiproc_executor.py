@@ -6,18 +6,18 @@ and for `execute_model` only the driver's does (the rank whose `ModelRunnerOutpu
 uses: TP rank 0 of the last pipeline stage). With more than one pipeline stage, steps may be
 submitted without waiting (`execute_model_async`, up to `pipeline_parallel_size` in flight):
 each rank takes its calls in order, so while the last stage computes step N the first stage
-computes step N + 1, and the driver's replies come back in submission order. Tensors never travel here: the ranks exchange them
-among themselves over torch.distributed (`fleetserve.engine.distributed`).
+computes step N + 1, and the driver's replies come back in submission order. Tensors never
+travel here: the ranks exchange them among themselves over torch.distributed
+(`fleetserve.engine.distributed`).
 
 Failure: every wait is a poll of at most `POLL_S` followed by a liveness check of every worker
-process, plus an overall bound per call (a pending step's too: its `StepFuture.result()` is such a
-wait); a worker that exits, a call that outlives its bound or
-a non-driver rank that fails a step (the ranks' states have diverged; under pipeline
-parallelism a stage before the last that fails leaves the later stages waiting for its
-tensors) raise
-`ExecutorDeadError`, after which the executor kills the remaining workers and refuses every
-call. A driver's error in a step is raised as `WorkerError`, so the engine's step isolation can
-retry its requests (every rank samples the same logits, so they fail alike).
+process, plus an overall bound per call (a pending step's `StepFuture.result()` is such a wait);
+a worker that exits, a call that outlives its bound or a non-driver rank that fails a step (the
+ranks' states have diverged; under pipeline parallelism a stage before the last that fails also
+leaves the later stages waiting for its tensors) raise `ExecutorDeadError`, after which the
+executor kills the remaining workers and refuses every call. A driver's error in a step is
+raised as `WorkerError`, so the engine's step isolation can retry its requests (every rank
+samples the same logits, so they fail alike).
 """
 
 from __future__ import annotations
