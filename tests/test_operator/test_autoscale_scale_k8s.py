@@ -32,7 +32,13 @@ def _doc() -> dict[str, Any]:
         "spec": {
             "model": {"name": "m", "source": {"uri": "/m"}},
             "engine": {"cpu": "10m", "memory": "16Mi"},
-            "roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+            # NOTE: kwok pods run no engine, so a removed group's drain has nothing to wait
+            # for (with the default timeout it would wait 600 s for an engine that never
+            # answers its /metrics).
+            "roles": {
+                "prefill": {"replicas": 1, "drainTimeoutSeconds": 0},
+                "decode": {"replicas": 1, "drainTimeoutSeconds": 0},
+            },
         },
     }
 
