@@ -92,20 +92,6 @@ def test_unimplemented_options_are_refused_by_name(
         EngineArgs(model=str(model_dir), device="cpu", **kwargs).create_engine_config()
 
 
-def test_tensor_parallel_kv_transfer_is_refused(model_dir: Path) -> None:
-    kv = {"connector": "tcp", "role": "producer"}
-    args = EngineArgs(
-        model=str(model_dir), device="cpu", tensor_parallel_size=2, kv_transfer_config=kv
-    )
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with kv_transfer_config"):
-        args.create_engine_config()
-    args = EngineArgs(
-        model=str(model_dir), device="cpu", pipeline_parallel_size=2, kv_transfer_config=kv
-    )
-    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2 with kv_transfer_config"):
-        args.create_engine_config()
-
-
 def test_pipeline_layer_partition_must_fit_the_model(model_dir: Path) -> None:
     args = EngineArgs(
         model=str(model_dir), device="cpu", pipeline_parallel_size=2, pipeline_layer_partition="1"

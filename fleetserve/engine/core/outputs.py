@@ -159,8 +159,6 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    num_waiting_prompt_tokens: int = 0
-    """Prompt tokens still to compute, of waiting and of partially prefilled running requests."""
     kv_cache_usage: float = 0.0
     """Fraction of usable KV blocks (excluding the null block) held by requests, in [0, 1]."""
     prefix_cache_queries: int = 0
@@ -169,6 +167,8 @@ class SchedulerStats:
     """Cumulative tokens found in the prefix cache."""
     num_preemptions: int = 0
     """Cumulative preemptions."""
+    num_waiting_prompt_tokens: int = 0
+    """Prompt tokens still to compute, of waiting and of partially prefilled running requests."""
     kv_transfer: KVTransferStats | None = None
     """The KV connector's counters and this step's transfer observations (P/D engines)."""
     spec_decoding: SpecDecodingStats | None = None
