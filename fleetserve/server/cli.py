@@ -68,11 +68,18 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Serve until interrupted (SIGINT/SIGTERM shut the engine core down cleanly)."""
+    """Serve until interrupted (SIGINT/SIGTERM shut the engine core down cleanly).
+
+    On a follower pod of a multi-pod group (the env the operator renders says so), run this
+    pod's ranks instead (`fleetserve.engine.distributed.follower`): only pod 0 serves.
+    """
     from aiohttp import web
 
     from fleetserve.server.app import create_app
 
+    follower = _follower_exit_code(args)
+    if follower is not None:
+        return follower
     config = build_server_config(args)
     logger.info("serving %s as %r on http://%s:%d", config.engine.model.model,
                 config.served_model_name, args.host, args.port)  # fmt: skip
@@ -87,3 +94,25 @@ def run_from_args(args: argparse.Namespace) -> int:
         print=None,
     )
     return 0
+
+
+def _follower_exit_code(args: argparse.Namespace) -> int | None:
+    """Run this pod as a follower of its group if it is one (its exit code), else None."""
+    from fleetserve.engine.distributed.pod_group import pod_group
+    from fleetserve.envs import read_env
+
+    env = read_env()
+    engine_args = EngineArgs.from_cli_args(args)
+    world = (
+        engine_args.tensor_parallel_size
+        * engine_args.pipeline_parallel_size
+        * engine_args.data_parallel_size
+    )
+    group = pod_group(env, world)
+    if group is None or group.is_leader:
+        return None
+    from fleetserve.engine.distributed.follower import run_follower
+
+    return run_follower(
+        engine_args.create_engine_config(env), group, host=args.host, port=args.port
+    )

@@ -34,6 +34,7 @@ ENV_NAMES = [
     "FLEETSERVE_POD_IP",
     "FLEETSERVE_RANK",
     "FLEETSERVE_WORLD_SIZE",
+    "FLEETSERVE_GROUP_SIZE",
     "FLEETSERVE_LEADER_ADDRESS",
 ]
 POD_INDEX = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
@@ -176,6 +177,7 @@ def test_multinode_decode_group_and_layout() -> None:
     c = _container(sts)
     env = _env(c)
     assert env["FLEETSERVE_WORLD_SIZE"] == "16"
+    assert env["FLEETSERVE_GROUP_SIZE"] == "2"
     assert env["FLEETSERVE_RANK"] == POD_INDEX
     assert env["FLEETSERVE_LEADER_ADDRESS"] == "d-decode-0-0.d-decode-0.ns.svc"
     i = c["args"].index("--tensor-parallel-size")

@@ -1,0 +1,197 @@
+"""Issue 16 acceptance 4 (a): two "pods" of one TP=2 replica group, as two process trees on
+loopback, each started with the command line and env the operator renders for its pod.
+
+The pods' container comes from the operator's own `build_group_statefulset` (a unified role,
+tensor 2, gpusPerPod 1: a group of two pods, one rank each, run on the CPU); the env's field
+references (pod IP, pod index) are resolved by the dev cluster's own `build_env`, as its local
+node does. The one substitution is the leader's DNS name, resolved here to the leader pod's IP,
+because loopback has no cluster DNS. The group serves a completion whose greedy tokens equal
+TP=1's; when the leader goes away the follower pod exits, visibly and within its bound; when the
+follower pod goes away the leader's /health fails within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from fleetserve.api.labels import LABEL_POD_INDEX
+from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.devcluster.podspec import build_env, expand_vars
+from fleetserve.engine.distributed.follower import LEADER_LOST_S
+from fleetserve.envs import PREFIX
+from fleetserve.operator.builders import Owner, build_group_statefulset
+from fleetserve.operator.render import ENGINE_PORT
+
+pytestmark = [pytest.mark.slow]
+
+OWNER = Owner(name="tiny", namespace="ns", uid="u-1")
+POD_IPS = ("127.0.86.1", "127.0.86.2")
+"""The two pods' addresses (loopback, as on the dev cluster's local node)."""
+PROMPT = [1, 17, 99, 42, 250, 7, 300, 11, 64, 5]
+MAX_TOKENS = 12
+
+
+def group_spec(model_dir: Path) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate(
+        {
+            "model": {
+                "name": "tiny",
+                "source": {"uri": str(model_dir)},
+                "dtype": "float32",
+                "maxModelLen": 256,
+            },
+            "engine": {
+                "command": [sys.executable, "-m", "fleetserve"],
+                "args": {"device": "cpu", "num-kv-blocks": "64"},
+            },
+            "kvTransfer": {"connector": "none"},
+            "roles": {"unified": {"gpusPerPod": 1, "parallelism": {"tensor": 2}}},
+        }
+    )
+
+
+def pod_commands(spec: InferenceDeploymentSpec) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each pod of group 0, from the operator's StatefulSet."""
+    role = spec.roles.unified
+    assert role is not None and role.group_size == 2
+    sts = build_group_statefulset(spec, OWNER, "unified", role, 0)
+    assert sts["spec"]["replicas"] == 2
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    leader_dns = f"{sts['metadata']['name']}-0.{sts['metadata']['name']}.{OWNER.namespace}.svc"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    commands = []
+    for index, ip in enumerate(POD_IPS):
+        pod = {
+            "metadata": {
+                "name": f"{sts['metadata']['name']}-{index}",
+                "namespace": OWNER.namespace,
+                "labels": {
+                    **sts["spec"]["template"]["metadata"]["labels"],
+                    LABEL_POD_INDEX: str(index),
+                },
+            },
+            "status": {"podIP": ip},
+        }
+        env = build_env(pod, container, base=base, configmap=_none, secret=_none)
+        assert env[f"{PREFIX}LEADER_ADDRESS"] == leader_dns
+        env[f"{PREFIX}LEADER_ADDRESS"] = POD_IPS[0]  # what the cluster's DNS would answer
+        argv = [expand_vars(a, env) for a in container["command"] + container["args"]]
+        commands.append((argv, env))
+    return commands
+
+
+def _none(namespace: str, name: str) -> None:
+    return None
+
+
+@dataclass
+class Pod:
+    process: subprocess.Popen[bytes]
+    log: Path
+    url: str
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def group(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[list[Pod]]:
+    pods: list[Pod] = []
+    try:
+        for index, (argv, env) in enumerate(pod_commands(group_spec(tiny_llama_dir))):
+            log = tmp_path / f"pod-{index}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            pods.append(Pod(proc, log, f"http://{POD_IPS[index]}:{ENGINE_PORT}"))
+        for pod in pods:
+            _wait_healthy(pod, timeout_s=300)
+        yield pods
+    finally:
+        for pod in pods:
+            if pod.process.poll() is None:
+                os.killpg(pod.process.pid, signal.SIGKILL)
+            pod.process.wait(timeout=30)
+
+
+def _wait_healthy(pod: Pod, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert pod.process.poll() is None, f"pod exited:\n{pod.text()[-4000:]}"
+        assert time.monotonic() < deadline, f"not healthy in {timeout_s} s:\n{pod.text()[-4000:]}"
+        try:
+            if requests.get(f"{pod.url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+
+
+def _tp1_tokens(model_dir: Path) -> list[int]:
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
+    return list(out[0].outputs[0].token_ids)
+
+
+def _complete(pod: Pod) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    response = requests.post(f"{pod.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_two_pods_serve_tp1_tokens_and_the_follower_leaves_with_its_leader(
+    group: list[Pod], tiny_llama_dir: Path
+) -> None:
+    leader, follower = group
+    assert "runs workers only" not in leader.text()
+    assert "pod 1 of 2: ranks [1] joining the leader at tcp://127.0.86.1:29500" in follower.text()
+    # Only the leader serves: the follower's address answers /health and nothing else.
+    assert requests.get(f"{follower.url}/v1/models", timeout=5).status_code == 404
+    got = _complete(leader)["choices"][0]["token_ids"]
+    assert len(got) == MAX_TOKENS
+    assert got == _tp1_tokens(tiny_llama_dir)
+
+    killed = time.monotonic()
+    os.killpg(leader.process.pid, signal.SIGKILL)
+    code = follower.process.wait(timeout=LEADER_LOST_S + 20)
+    assert code == 1
+    assert time.monotonic() - killed < LEADER_LOST_S + 10
+    assert "the leader at tcp://127.0.86.1:29501 is gone" in follower.text()
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_follower_pod_fails_the_leaders_health(group: list[Pod]) -> None:
+    leader, follower = group
+    assert len(_complete(leader)["choices"][0]["token_ids"]) == MAX_TOKENS
+    killed = time.monotonic()
+    os.killpg(follower.process.pid, signal.SIGKILL)
+    while requests.get(f"{leader.url}/health", timeout=5).status_code == 200:
+        assert time.monotonic() - killed < 10.0, "/health still passes 10 s after the pod died"
+        time.sleep(0.2)
+    assert "worker rank 1 on pod 1 of the group disconnected" in leader.text()
+    response = requests.post(
+        f"{leader.url}/v1/completions",
+        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4},
+        timeout=30,
+    )
+    assert response.status_code == 503, response.text
