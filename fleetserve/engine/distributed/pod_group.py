@@ -27,10 +27,13 @@ from dataclasses import dataclass
 
 from fleetserve.envs import Env, env_name
 
-__all__ = ["CONTROL_PORT", "GROUP_PORT", "PodGroup", "pod_group"]
+__all__ = ["CONTROL_PORT", "DIAG_PORT", "GROUP_PORT", "PodGroup", "pod_group"]
 
 GROUP_PORT = 29500
 """torch.distributed's TCP store on the leader (torch's customary MASTER_PORT)."""
+DIAG_PORT = 29499
+"""The TCP store of `fleetserve diag comm` on the leader (apart from the engine's, so that the
+self-test can run while, or before, the group starts)."""
 CONTROL_PORT = 29501
 """The executor's results socket on the leader; rank r's calls come from CONTROL_PORT + 1 + r."""
 
