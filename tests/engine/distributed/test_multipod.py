@@ -4,8 +4,8 @@ loopback, each started with the command line and env the operator renders for it
 The pods' container comes from the operator's own `build_group_statefulset` (a unified role,
 tensor 2, gpusPerPod 1: a group of two pods, one rank each, run on the CPU); the env's field
 references (pod IP, pod index) are resolved by the dev cluster's own `build_env`, as its local
-node does. The one substitution is the leader's DNS name, resolved here to the leader pod's IP,
-because loopback has no cluster DNS. The group serves a completion whose greedy tokens equal
+node does, and so is the leader's DNS record: to the leader pod's IP, as cluster DNS would (there
+is no DNS on loopback; the local node resolves pod records the same way). The group serves a completion whose greedy tokens equal
 TP=1's; when the leader goes away the follower pod exits, visibly and within its bound; when the
 follower pod goes away the leader's /health fails within seconds.
 """
@@ -83,9 +83,12 @@ def pod_commands(spec: InferenceDeploymentSpec) -> list[tuple[list[str], dict[st
             },
             "status": {"podIP": ip},
         }
-        env = build_env(pod, container, base=base, configmap=_none, secret=_none)
-        assert env[f"{PREFIX}LEADER_ADDRESS"] == leader_dns
-        env[f"{PREFIX}LEADER_ADDRESS"] = POD_IPS[0]  # what the cluster's DNS would answer
+        assert _env_value(container, f"{PREFIX}LEADER_ADDRESS") == leader_dns
+        # The leader's DNS record resolves to its IP, as on the local node (`pod_ip`).
+        env = build_env(
+            pod, container, base=base, configmap=_none, secret=_none, pod_ip=_pod_ips(sts)
+        )
+        assert env[f"{PREFIX}LEADER_ADDRESS"] == POD_IPS[0]
         argv = [expand_vars(a, env) for a in container["command"] + container["args"]]
         commands.append((argv, env))
     return commands
@@ -93,6 +96,22 @@ def pod_commands(spec: InferenceDeploymentSpec) -> list[tuple[list[str], dict[st
 
 def _none(namespace: str, name: str) -> None:
     return None
+
+
+def _env_value(container: dict[str, Any], name: str) -> str:
+    return str(next(e["value"] for e in container["env"] if e["name"] == name))
+
+
+def _pod_ips(sts: dict[str, Any]) -> Any:
+    """The DNS records of the group's pods (`<sts>-<i>.<sts>.ns.svc`) → their loopback IPs."""
+    name = sts["metadata"]["name"]
+
+    def lookup(namespace: str, hostname: str, subdomain: str) -> str | None:
+        pods = {f"{name}-{i}": ip for i, ip in enumerate(POD_IPS)}
+        ok = (namespace, subdomain) == (OWNER.namespace, name)
+        return pods.get(hostname) if ok else None
+
+    return lookup
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.devcluster.podspec import build_env, pod_dns_name
 from fleetserve.engine.distributed.pod_group import CONTROL_PORT, GROUP_PORT, pod_group
 from fleetserve.envs import read_env
 from fleetserve.operator.render import engine_env
@@ -58,3 +59,22 @@ def test_an_inconsistent_group_env_is_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         pod_group(read_env(_env(**values)), world)
+
+
+def test_the_local_nodes_dns_stand_in_resolves_pod_records_or_defers_the_pod() -> None:
+    assert pod_dns_name("g-0.g.ns.svc") == ("ns", "g-0", "g")
+    assert pod_dns_name("g-0.g.ns.svc.cluster.local") == ("ns", "g-0", "g")
+    assert pod_dns_name("g.ns.svc") is None and pod_dns_name("10.0.0.1") is None
+    pod = {"metadata": {"namespace": "ns", "name": "g-1"}, "status": {"podIP": "127.0.0.11"}}
+    container = {"env": [{"name": "LEADER", "value": "g-0.g.ns.svc"}, {"name": "X", "value": "y"}]}
+    ips = {("ns", "g-0", "g"): "127.0.0.10"}
+    env = build_env(
+        pod, container, base={}, configmap=lambda *_: None, secret=lambda *_: None,
+        pod_ip=lambda *record: ips.get(record),
+    )  # fmt: skip
+    assert (env["LEADER"], env["X"]) == ("127.0.0.10", "y")
+    with pytest.raises(LookupError, match=r"LEADER: pod 'g-0' of g-0\.g\.ns\.svc has no IP yet"):
+        build_env(
+            pod, container, base={}, configmap=lambda *_: None, secret=lambda *_: None,
+            pod_ip=lambda *record: None,
+        )  # fmt: skip
