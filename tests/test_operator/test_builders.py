@@ -347,7 +347,11 @@ def test_router_args_are_its_config(sample: str) -> None:
     }
     present = {name for name, _ in spec.roles.items()}
     for role, selector in selectors.items():
-        want = f"fleetserve.io/deployment=d,fleetserve.io/role={role}" if role in present else None
+        want = (
+            f"fleetserve.io/deployment=d,fleetserve.io/role={role},apps.kubernetes.io/pod-index=0"
+            if role in present
+            else None
+        )
         assert selector == want
 
 
