@@ -51,6 +51,10 @@ class Env:
     group_size: int | None = None
     """Pods in this pod's replica group (`fleetserve.api.topology.group_size`); rendered by the
     operator. Above 1, pod 0 serves and drives, the others run workers only."""
+    comm_check: int | None = None
+    """1: before a pod of a multi-rank engine serves (or starts its workers), run the layered
+    communication self-test (`fleetserve diag comm`) over its ranks of the group; a failing
+    layer ends the pod with the layer and its likely cause in the log."""
     leader_address: str | None = None
     """Address of the group's pod 0 (its DNS name on a cluster), where the other pods join its
     process group."""

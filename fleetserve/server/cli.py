@@ -77,6 +77,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from fleetserve.server.app import create_app
 
+    failed = _comm_check(args)
+    if failed:
+        return failed
     follower = _follower_exit_code(args)
     if follower is not None:
         return follower
@@ -93,6 +96,44 @@ def run_from_args(args: argparse.Namespace) -> int:
         access_log=None,
         print=None,
     )
+    return 0
+
+
+COMM_CHECK_TIMEOUT_S = 60.0
+"""Per layer of the start-up self-test (the group's pods start within about this of each other)."""
+
+
+def _comm_check(args: argparse.Namespace) -> int:
+    """With FLEETSERVE_COMM_CHECK=1 and several ranks, the layered self-test over this pod's
+    ranks (`diag_comm`); 0 when it passed (or does not apply), else 1 after logging the failure."""
+    from fleetserve.engine.distributed.diag_comm import diagnose, first_failure, group_ranks
+    from fleetserve.envs import read_env
+
+    env = read_env()
+    engine_args = EngineArgs.from_cli_args(args)
+    world = (
+        engine_args.tensor_parallel_size
+        * engine_args.pipeline_parallel_size
+        * engine_args.data_parallel_size
+    )
+    if not env.comm_check or world == 1:
+        return 0
+    ranks, init_method = group_ranks(env, world)
+    device = engine_args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = diagnose(ranks, world, init_method, device, COMM_CHECK_TIMEOUT_S)
+    failure = first_failure(results)
+    if failure is not None:
+        logger.error(
+            "communication self-test failed at layer %r (rank %d): %s; likely cause: %s",
+            failure.layer, failure.rank, failure.detail, failure.cause,
+        )  # fmt: skip
+        return 1
+    layers = sorted({f"{r.layer}: {r.status}" for r in results})
+    logger.info("communication self-test of ranks %s passed (%s)", ranks, ", ".join(layers))
     return 0
 
 

@@ -5,7 +5,8 @@ A unified role with tensor 2 and gpusPerPod 1 is a group of two pods, one rank e
 node advertises two (fake) GPUs for the test and the engines run on the CPU (`device: cpu`).
 The operator renders the group's env; pod 0 serves, pod 1 runs its worker and joins pod 0's
 process group at the leader's DNS record (which the local node resolves to pod 0's IP, standing
-in for cluster DNS). The group turns Ready from both pods' probes, and a completion through the
+in for cluster DNS), after both pods' start-up ran the communication self-test across the
+group (FLEETSERVE_COMM_CHECK). The group turns Ready from both pods' probes, and a completion through the
 leader and through the router gives TP=1's greedy tokens.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from fleetserve.api.labels import LABEL_POD_INDEX
+from fleetserve.devcluster.pod_launch import log_path
 from tests.devcluster.helpers import poll
 from tests.engine.tiny_models import make_tiny_model
 from tests.test_operator.helpers import OperatorEnv
@@ -56,6 +58,8 @@ def _doc(model_dir: Path) -> dict[str, Any]:
                 "cpu": "300m",
                 "memory": "2Gi",
                 "args": {"device": "cpu", "num-kv-blocks": "64"},
+                # Each pod runs the layered self-test across the group before it serves.
+                "env": {"FLEETSERVE_COMM_CHECK": "1"},
             },
             "kvTransfer": {"connector": "none"},
             "roles": {
@@ -128,9 +132,11 @@ def test_a_two_pod_cpu_group_serves_tp1_tokens(
         pods = env.get("pod", ns, selector=f"{SEL}={name},fleetserve.io/role=unified")["items"]
         by_index = {p["metadata"]["labels"][LABEL_POD_INDEX]: p for p in pods}
         assert sorted(by_index) == ["0", "1"]
-        for pod in pods:
+        for index, pod in by_index.items():
             assert pod["spec"]["nodeName"] == env.dc.local_node
             assert [s["restartCount"] for s in pod["status"]["containerStatuses"]] == [0]
+            log = log_path(env.dc.state.logs_dir / "pods", ns, pod["metadata"]["name"], "engine")
+            assert f"communication self-test of ranks [{index}] passed" in log.read_text()
         leader = f"http://{by_index['0']['status']['podIP']}:8000"
         follower = f"http://{by_index['1']['status']['podIP']}:8000"
         # The follower runs its rank only: healthy, and no API.

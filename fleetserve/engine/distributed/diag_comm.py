@@ -31,8 +31,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from fleetserve.envs import Env
 
 __all__ = [
     "CAUSES",
@@ -41,6 +44,7 @@ __all__ = [
     "add_arguments",
     "diagnose",
     "first_failure",
+    "group_ranks",
     "run_from_args",
     "run_rank",
 ]
@@ -304,27 +308,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON line per rank and layer")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the self-test; 0 when no layer failed, else 1 (the first failure is named)."""
+def group_ranks(env: Env, world_size: int) -> tuple[list[int], str]:
+    """This pod's ranks and the self-test's rendezvous: the leader's `DIAG_PORT` in a multi-pod
+    group (from the rendered env), else every rank here at a free local port.
+
+    Raises:
+        ValueError: an inconsistent group env (`pod_group`).
+    """
     import socket
 
     from fleetserve.engine.distributed.pod_group import DIAG_PORT, pod_group
+
+    group = pod_group(env, world_size)
+    if group is not None:
+        return list(group.local_ranks), f"tcp://{group.leader_address}:{DIAG_PORT}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return list(range(world_size)), f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the self-test; 0 when no layer failed, else 1 (the first failure is named)."""
     from fleetserve.envs import read_env
 
     env = read_env()
     world = args.world_size or env.world_size or 2
-    group = pod_group(env, world)
+    ranks, init_method = group_ranks(env, world)
     if args.ranks is not None:
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-    else:
-        ranks = list(range(world) if group is None else group.local_ranks)
-    init_method = args.init_method
-    if init_method is None and group is not None:
-        init_method = f"tcp://{group.leader_address}:{DIAG_PORT}"
-    if init_method is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    init_method = args.init_method or init_method
     device = args.device
     if device == "auto":
         import torch

@@ -54,6 +54,8 @@ def group_spec(model_dir: Path) -> InferenceDeploymentSpec:
             "engine": {
                 "command": [sys.executable, "-m", "fleetserve"],
                 "args": {"device": "cpu", "num-kv-blocks": "64"},
+                # The pods' start-up runs the layered self-test across the group first.
+                "env": {"FLEETSERVE_COMM_CHECK": "1"},
             },
             "kvTransfer": {"connector": "none"},
             "roles": {"unified": {"gpusPerPod": 1, "parallelism": {"tensor": 2}}},
@@ -182,7 +184,8 @@ def test_two_pods_serve_tp1_tokens_and_the_follower_leaves_with_its_leader(
     group: list[Pod], tiny_llama_dir: Path
 ) -> None:
     leader, follower = group
-    assert "runs workers only" not in leader.text()
+    assert "communication self-test of ranks [0] passed" in leader.text()
+    assert "communication self-test of ranks [1] passed" in follower.text()
     assert "pod 1 of 2: ranks [1] joining the leader at tcp://127.0.86.1:29500" in follower.text()
     # Only the leader serves: the follower's address answers /health and nothing else.
     assert requests.get(f"{follower.url}/v1/models", timeout=5).status_code == 404
