@@ -42,7 +42,11 @@ PROMPT = [1, 17, 99, 42, 250, 7, 300, 11, 64, 5]
 MAX_TOKENS = 12
 
 
-def group_spec(model_dir: Path) -> InferenceDeploymentSpec:
+def group_spec(
+    model_dir: Path, parallelism: dict[str, int] | None = None
+) -> InferenceDeploymentSpec:
+    """A unified role of one rank per pod (gpusPerPod 1, the engines on the CPU); TP=2 unless
+    `parallelism` says otherwise."""
     return InferenceDeploymentSpec.model_validate(
         {
             "model": {
@@ -58,7 +62,7 @@ def group_spec(model_dir: Path) -> InferenceDeploymentSpec:
                 "env": {"FLEETSERVE_COMM_CHECK": "1"},
             },
             "kvTransfer": {"connector": "none"},
-            "roles": {"unified": {"gpusPerPod": 1, "parallelism": {"tensor": 2}}},
+            "roles": {"unified": {"gpusPerPod": 1, "parallelism": parallelism or {"tensor": 2}}},
         }
     )
 
@@ -126,11 +130,14 @@ class Pod:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture
-def group(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[list[Pod]]:
+@pytest.fixture(params=[{"tensor": 2}], ids=["tp2"])
+def group(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path: Path
+) -> Iterator[list[Pod]]:
     pods: list[Pod] = []
+    spec = group_spec(tiny_llama_dir, request.param)
     try:
-        for index, (argv, env) in enumerate(pod_commands(group_spec(tiny_llama_dir))):
+        for index, (argv, env) in enumerate(pod_commands(spec)):
             log = tmp_path / f"pod-{index}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen(
@@ -217,3 +224,14 @@ def test_a_lost_follower_pod_fails_the_leaders_health(group: list[Pod]) -> None:
         timeout=30,
     )
     assert response.status_code == 503, response.text
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group", [{"pipeline": 2}], indirect=True, ids=["pp2"])
+def test_a_pipeline_split_across_two_pods_serves_tp1_tokens(
+    group: list[Pod], tiny_llama_dir: Path
+) -> None:
+    # The driver (TP rank 0 of the last stage) is rank 1, on the follower pod: its sampled
+    # tokens come back to the leader over the group's control sockets.
+    leader, _ = group
+    assert _complete(leader)["choices"][0]["token_ids"] == _tp1_tokens(tiny_llama_dir)
