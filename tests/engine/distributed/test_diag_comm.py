@@ -102,3 +102,16 @@ def test_the_pods_of_a_group_run_it_from_the_operators_env(tiny_llama_dir: Path)
         assert {r["rank"] for r in results} == {pod}  # each pod runs its own rank
         rendezvous = next(r for r in results if r["layer"] == "rendezvous")
         assert rendezvous["detail"] == f"2 ranks at tcp://{POD_IPS[0]}:29499"
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_start_up_self_test_ends_the_pod_before_it_serves(tiny_llama_dir: Path) -> None:
+    env = {**os.environ, "FLEETSERVE_COMM_CHECK": "1", "GLOO_SOCKET_IFNAME": "no-such-if0"}
+    argv = [sys.executable, "-m", "fleetserve", "serve", str(tiny_llama_dir),
+            "--tensor-parallel-size", "2", "--device", "cpu", "--port", "0"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 1
+    log = done.stdout + done.stderr
+    assert "communication self-test failed at layer 'device'" in log
+    assert "set GLOO_SOCKET_IFNAME" in log
+    assert "started 2 worker processes" not in log  # nothing started past the self-test
