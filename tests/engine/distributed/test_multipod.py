@@ -235,3 +235,23 @@ def test_a_pipeline_split_across_two_pods_serves_tp1_tokens(
     # tokens come back to the leader over the group's control sockets.
     leader, _ = group
     assert _complete(leader)["choices"][0]["token_ids"] == _tp1_tokens(tiny_llama_dir)
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_worker_on_the_follower_ends_its_pod_and_fails_the_leader(
+    group: list[Pod],
+) -> None:
+    leader, follower = group
+    ps = subprocess.run(
+        ["ps", "--ppid", str(follower.process.pid), "-o", "pid=,args="],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    (worker,) = [int(line.split()[0]) for line in ps.stdout.splitlines() if "worker_proc" in line]
+    killed = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    assert follower.process.wait(timeout=10) == 1
+    assert "worker rank 1 exited with -9; this pod leaves the group" in follower.text()
+    while requests.get(f"{leader.url}/health", timeout=5).status_code == 200:
+        assert time.monotonic() - killed < 10.0, "/health still passes 10 s after the kill"
+        time.sleep(0.2)
+    assert "worker rank 1 on pod 1 of the group disconnected" in leader.text()
