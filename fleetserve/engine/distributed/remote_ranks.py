@@ -5,7 +5,8 @@ the leader's control socket going away. ZMQ reports that as a disconnect event o
 monitor: at once when the peer process dies (its kernel closes the connection), and within
 `HEARTBEAT_TIMEOUT_MS` when the peer's host or network vanishes silently (ZMTP heartbeats,
 which the peer's ZMQ answers by itself). `RemoteRanks.lost()` turns the first disconnect of a
-rank that had connected into the reason the executor dies with.
+rank that had connected into the reason the executor dies with, and so is a rank whose pod has
+not connected within `JOIN_TIMEOUT_S` of the start.
 """
 
 from __future__ import annotations
@@ -18,12 +19,20 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fleetserve.engine.distributed.pod_group import PodGroup
 
-__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "RemoteRanks", "heartbeats"]
+__all__ = [
+    "HEARTBEAT_IVL_MS",
+    "HEARTBEAT_TIMEOUT_MS",
+    "JOIN_TIMEOUT_S",
+    "RemoteRanks",
+    "heartbeats",
+]
 
 HEARTBEAT_IVL_MS = 1000
 """ZMTP ping period on the control connections between pods."""
 HEARTBEAT_TIMEOUT_MS = 3000
 """A peer silent for this long counts as disconnected."""
+JOIN_TIMEOUT_S = 60.0
+"""Bound on a remote rank's first connection (the ranks' rendezvous has the same bound)."""
 
 
 def heartbeats(sock: zmq.Socket[Any]) -> None:
@@ -36,8 +45,17 @@ def heartbeats(sock: zmq.Socket[Any]) -> None:
 class RemoteRanks:
     """Watches the leader's request sockets of the ranks on other pods (rank → socket)."""
 
-    def __init__(self, sockets: dict[int, zmq.Socket[Any]], group: PodGroup) -> None:
+    def __init__(
+        self,
+        sockets: dict[int, zmq.Socket[Any]],
+        group: PodGroup,
+        *,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+    ) -> None:
         self._group = group
+        self._join_deadline = time.monotonic() + join_timeout_s
+        self._join_timeout_s = join_timeout_s
+        self._joined: set[int] = set()
         self._sockets = sockets
         self._monitors = {
             rank: sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -54,11 +72,19 @@ class RemoteRanks:
                 event = recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_ACCEPTED:
                     self.connected.add(rank)
+                    self._joined.add(rank)
                 elif event == zmq.EVENT_DISCONNECTED and rank in self.connected:
                     self._lost = (
                         f"worker rank {rank} on pod {self._group.pod_of(rank)} of the group "
                         "disconnected (its process or pod went away)"
                     )
+        missing = sorted(set(self._monitors) - self._joined)
+        if self._lost is None and missing and time.monotonic() > self._join_deadline:
+            pods = sorted({self._group.pod_of(r) for r in missing})
+            self._lost = (
+                f"pod(s) {pods} of the group (ranks {missing}) did not connect to the leader "
+                f"within {self._join_timeout_s:g} s"
+            )
         return self._lost
 
     def flush(self, timeout_s: float) -> None:
