@@ -31,7 +31,9 @@ def _hash(spec: InferenceDeploymentSpec, role: Role) -> str:
     """16 hex chars over model source, resolved dtype, block size, KV layout, connector, transfer
     mode, engine.
 
-    Parallel sizes are excluded: the connector reshapes KV between TP sizes.
+    Parallel sizes are excluded: the connector maps KV head slices between TP sizes (pull mode;
+    the CRD's rules refuse the other combinations, the engines' handshake a head layout that
+    does not map).
     """
     key = {
         "model": spec.model.source.uri,

@@ -23,6 +23,7 @@ __all__ = [
     "VERSION",
     "Autoscaling",
     "Condition",
+    "DecodeScaling",
     "Disaggregation",
     "EngineSpec",
     "InferenceDeploymentSpec",
@@ -32,12 +33,16 @@ __all__ = [
     "ModelSpec",
     "Parallelism",
     "Phase",
+    "PrefillScaling",
+    "RatioBand",
     "Role",
     "RoleScaling",
     "RoleStatus",
     "Roles",
     "RouterSpec",
     "RouterStatus",
+    "ScaleDecision",
+    "ScaleDecisionRole",
 ]
 
 GROUP = "fleetserve.io"
@@ -233,10 +238,105 @@ class RoleScaling(_Model):
     max: int = Field(default=1, ge=0)
 
 
+class PrefillScaling(RoleScaling):
+    """Prefill replicas follow input-side demand (prompt tokens arriving and queued)."""
+
+    target_ttft_seconds: float = Field(
+        default=2.0,
+        ge=0.01,
+        alias="targetTTFTSeconds",
+        description="time to first token the prefill pool is sized for",
+    )
+    tokens_per_second: float = Field(
+        default=4000.0,
+        ge=1,
+        description="prefill throughput of one replica, prompt tokens/s: the prior the"
+        " autoscaler starts from until it has measured the engines under backlog",
+    )
+
+
+class DecodeScaling(RoleScaling):
+    """Decode replicas follow KV usage, running requests and inter-token latency."""
+
+    target_itl_seconds: float = Field(
+        default=0.05,
+        ge=0.001,
+        alias="targetITLSeconds",
+        description="inter-token latency the decode pool is sized for",
+    )
+    max_kv_usage: float = Field(
+        default=0.8,
+        ge=0.05,
+        le=1,
+        alias="maxKVUsage",
+        description="KV cache fraction one decode replica may fill",
+    )
+
+
+class RatioBand(_Model):
+    """Bounds on prefill replicas ÷ decode replicas (P:D)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel("self.min <= self.max", "autoscaling ratio min must be <= max")
+    )
+
+    min: float = Field(ge=0.01, description="lowest prefill ÷ decode replicas")
+    max: float = Field(ge=0.01, description="highest prefill ÷ decode replicas")
+
+
 class Autoscaling(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "!has(self.scaleUpStabilizationSeconds) || !has(self.scaleDownStabilizationSeconds)"
+            " || self.scaleUpStabilizationSeconds <= self.scaleDownStabilizationSeconds",
+            "autoscaling scaleUpStabilizationSeconds must be <= scaleDownStabilizationSeconds",
+        )
+    )
+
     enabled: bool = False
-    prefill: RoleScaling | None = None
-    decode: RoleScaling | None = None
+    prefill: PrefillScaling | None = None
+    decode: DecodeScaling | None = None
+    ratio: RatioBand | None = None
+    interval_seconds: float = Field(
+        default=2.0, ge=0.5, le=300, description="how often the engines are scraped and decided"
+    )
+    scale_up_stabilization_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="a scale-up needs every recommendation of this window above the current size",
+    )
+    scale_down_stabilization_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        le=3600,
+        description="a scale-down needs every recommendation of this window below the current size",
+    )
+    tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        le=0.9,
+        description="needed ÷ current replicas within 1 ± tolerance keeps the current size",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Autoscaling:
+        if self.scale_up_stabilization_seconds > self.scale_down_stabilization_seconds:
+            raise ValueError(
+                "autoscaling.scaleUpStabilizationSeconds must be <= scaleDownStabilizationSeconds"
+            )
+        for name, scaling in (("prefill", self.prefill), ("decode", self.decode)):
+            if scaling is not None and scaling.min > scaling.max:
+                raise ValueError(f"autoscaling.{name}: min must be <= max")
+        if self.ratio is not None and self.ratio.min > self.ratio.max:
+            raise ValueError("autoscaling.ratio: min must be <= max")
+        return self
+
+
+_TENSOR_TRANSFER = (
+    "prefill and decode roles with tensor > 1 need kvTransfer.transferMode pull (push moves KV"
+    " between tensor 1 roles only)"
+)
 
 
 def _spec_rules() -> list[JsonValue]:
@@ -256,14 +356,14 @@ def _spec_rules() -> list[JsonValue]:
             "message": "prefill/decode roles need a KV connector (tcp or mooncake); unified needs none",
         },
         {
-            "rule": "self.kvTransfer.connector != 'mooncake' || has(self.roles.unified) ||"
-            " self.roles.prefill.parallelism.tensor == self.roles.decode.parallelism.tensor",
-            "message": "the mooncake connector needs equal prefill and decode tensor sizes",
-        },
-        {
-            "rule": "self.kvTransfer.connector != 'tcp' || has(self.roles.unified) ||"
-            " self.roles.prefill.parallelism.tensor <= self.roles.decode.parallelism.tensor",
-            "message": "the tcp connector needs prefill tensor <= decode tensor",
+            # What the engine's connector supports (issue 16): between tensor-parallel engines
+            # of any sizes in pull mode (the handshake refuses KV heads that do not map); push
+            # moves KV between tensor 1 engines only.
+            "rule": "has(self.roles.unified) ||"
+            " !has(self.kvTransfer.transferMode) || self.kvTransfer.transferMode == 'pull' ||"
+            " (self.roles.prefill.parallelism.tensor == 1 &&"
+            " self.roles.decode.parallelism.tensor == 1)",
+            "message": _TENSOR_TRANSFER,
         },
         {
             "rule": "!has(self.autoscaling) || !self.autoscaling.enabled ||"
@@ -307,6 +407,10 @@ class InferenceDeploymentSpec(_Model):
             self.kv_transfer.connector != "none"
         ):
             raise ValueError("roles/kvTransfer.connector: prefill+decode need a connector")
+        if has_pd and self.kv_transfer.transfer_mode != "pull":
+            sizes = {n: r.parallelism.tensor for n, r in self.roles.items()}
+            if any(size != 1 for size in sizes.values()):
+                raise ValueError(f"{_TENSOR_TRANSFER} (tensor sizes: {sizes})")
         if self.kv_transfer.protocol == "rdma" and self.kv_transfer.connector != "mooncake":
             raise ValueError(
                 "kvTransfer.protocol rdma needs the mooncake connector (tcp runs over TCP only)"
@@ -335,6 +439,31 @@ class RoleStatus(_Model):
     compatibility_hash: str | None = Field(
         default=None, description="KV compatibility hash of this role's pods (their label)"
     )
+    desired_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="groups the autoscaler wants (with autoscaling.enabled it overrides"
+        " spec.roles.<role>.replicas)",
+    )
+
+
+class ScaleDecisionRole(_Model):
+    current: int = Field(description="groups before the decision (starting ones included)")
+    ready: int = Field(default=0, description="groups whose engines reported metrics")
+    desired: int
+    needed: float = Field(default=0.0, description="replicas the load needs before bounds")
+    reason: str = ""
+
+
+class ScaleDecision(_Model):
+    """The autoscaler's latest decision: what it read, and what it chose per role and why."""
+
+    time: str
+    reason: str
+    roles: dict[str, ScaleDecisionRole] = Field(default_factory=dict)
+    inputs: dict[str, float] = Field(
+        default_factory=dict, description="the aggregated metrics the decision used"
+    )
 
 
 class RouterStatus(_Model):
@@ -357,3 +486,4 @@ class InferenceDeploymentStatus(_Model):
     compatibility_hash: str | None = Field(
         default=None, description="the KV compatibility hash every role shares"
     )
+    last_scale_decision: ScaleDecision | None = None

@@ -8,7 +8,11 @@ minus the uni column is the executor's per-step overhead. The model is the shape
 default; the second table times a bare all-reduce of decode-sized tensors over gloo and over
 the shared-memory communicator. With `--throughput-tp 1,3` a third table gives the output
 tokens/s of a fixed greedy workload on a real model (default: the bundled SmolLM2) at each
-tensor-parallel size, TP 1 (the in-process executor) being the baseline.
+tensor-parallel size, TP 1 (the in-process executor) being the baseline. With `--pp-batches 1,2`
+a fourth table gives the output tokens/s of that workload at pipeline-parallel size 2 (two
+worker processes, `--shape`'s model with random weights, or `--model`'s) with 1 batch in flight
+(the synchronous pipeline: one stage idles while the other computes) and with 2 (the engine
+core's batch queue), 1 being the baseline. `--steps 0` skips the step-time table.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument(
+        "--pp-batches", default="", help="batches in flight for the PP=2 throughput table, "
+        "e.g. 1,2 (default: no table)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="token budget per step of the PP table (a smaller one spreads prefills over batches)",
+    )  # fmt: skip
 
 
 def step_time_us(
@@ -102,6 +114,48 @@ def throughput_tokens_s(args: argparse.Namespace, tp: int) -> float:
         llm.engine_core.shutdown()
 
 
+def pp_throughput_tokens_s(model_dir: Path, args: argparse.Namespace, num_batches: int) -> float:
+    """Output tokens/s of `num_prompts` random prompts, greedy, EOS ignored, through an
+    `EngineCore` at pipeline-parallel size 2 with at most `num_batches` batches in flight."""
+    import random
+
+    from fleetserve.engine.config import EngineConfig
+    from fleetserve.engine.core.engine_core import EngineCore
+    from fleetserve.engine.sampling_params import SamplingParams
+
+    budget = {}
+    if args.max_num_batched_tokens is not None:
+        budget["max_num_batched_tokens"] = args.max_num_batched_tokens
+    config = EngineConfig.create(
+        str(model_dir), dtype="float32", device=args.device,
+        load_format="safetensors" if args.model else "dummy", pipeline_parallel_size=2,
+        max_model_len=args.input_len + args.output_len + 8, max_num_seqs=args.num_prompts,
+        enforce_eager=True, **budget,
+    )  # fmt: skip
+    core = EngineCore(config, max_concurrent_batches=num_batches)
+    try:
+        rng = random.Random(0)
+        vocab = config.model.vocab_size
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        warm_up = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        core.add_request("warm-up", [rng.randrange(3, vocab) for _ in range(8)], warm_up,
+                         eos_token_ids=())  # fmt: skip
+        while core.has_unfinished_requests():
+            core.step()
+        for i in range(args.num_prompts):
+            prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
+            core.add_request(f"r{i}", prompt, params, eos_token_ids=())
+        num_tokens = 0
+        started = time.perf_counter()
+        while core.has_unfinished_requests():
+            num_tokens += sum(len(out.new_token_ids) for out in core.step())
+        elapsed = time.perf_counter() - started
+        assert num_tokens == args.num_prompts * args.output_len, num_tokens
+        return num_tokens / elapsed
+    finally:
+        core.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -159,14 +213,11 @@ def allreduce_us(sizes: list[int], iters: int) -> dict[int, tuple[float, float |
     return results
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    hidden = int(SHAPES[args.shape]["hidden_size"])
-    with tempfile.TemporaryDirectory(prefix="fleetserve-parallel-") as tmp:
-        model_dir = write_shape_folder(args.shape, Path(tmp))
-        runs = (("uni", 1, False), ("mp", 1, False), ("mp", 2, True), ("mp", 2, False))
-        rows = [(backend, tp, gloo, step_time_us(model_dir, args, backend=backend, tp=tp,
-                                                 gloo_only=gloo))
-                for backend, tp, gloo in runs]  # fmt: skip
+def _print_step_times(model_dir: Path, args: argparse.Namespace) -> None:
+    runs = (("uni", 1, False), ("mp", 1, False), ("mp", 2, True), ("mp", 2, False))
+    rows = [(backend, tp, gloo, step_time_us(model_dir, args, backend=backend, tp=tp,
+                                             gloo_only=gloo))
+            for backend, tp, gloo in runs]  # fmt: skip
     base = rows[0][3]
     print(f"decode step, shape {args.shape}, batch {args.batch_size}, {args.steps} steps, "
           f"{args.device} (median µs per step)")  # fmt: skip
@@ -174,6 +225,31 @@ def run_from_args(args: argparse.Namespace) -> int:
     for backend, tp, gloo, us in rows:
         reduce = "-" if tp == 1 else ("gloo" if gloo else "shm+gloo")
         print(f"{backend:<10}{tp:>4}{reduce:>12}{us:>12.0f}{us - base:>+14.0f}")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    hidden = int(SHAPES[args.shape]["hidden_size"])
+    with tempfile.TemporaryDirectory(prefix="fleetserve-parallel-") as tmp:
+        model_dir = write_shape_folder(args.shape, Path(tmp))
+        if args.steps > 0:
+            _print_step_times(model_dir, args)
+        pp_batches = [int(n) for n in args.pp_batches.split(",") if n]
+        if pp_batches:
+            pp_dir = Path(args.model) if args.model else model_dir
+            pp_rates = [(n, pp_throughput_tokens_s(pp_dir, args, n)) for n in pp_batches]
+            print(f"\nthroughput at PP=2, {args.model or 'shape ' + args.shape}, "
+                  f"{args.num_prompts} prompts × {args.input_len} in / {args.output_len} out, "
+                  f"greedy, {args.device} (output tokens/s)")  # fmt: skip
+            print(f"{'in flight':>10}{'tok/s':>10}{'vs first':>10}")
+            for n, rate in pp_rates:
+                print(f"{n:>10}{rate:>10.1f}{rate / pp_rates[0][1]:>10.2f}")
+            # NOTE: repeat the sizes interleaved (e.g. 1,2,1,2,1,2) on a noisy machine: the
+            # medians' ratio is the figure, not one run.
+            medians = {n: statistics.median(r for m, r in pp_rates if m == n) for n in pp_batches}
+            first = medians[pp_batches[0]]
+            print("median tok/s: " + ", ".join(
+                f"{n} in flight {rate:.1f} ({rate / first:.2f}×)" for n, rate in medians.items()
+            ))  # fmt: skip
     if args.allreduce_iters > 0:
         sizes = [hidden * n for n in (1, 8, 64)]
         timings = allreduce_us(sizes, args.allreduce_iters)

@@ -12,6 +12,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "AUTOSCALER_CURRENT",
+    "AUTOSCALER_DECISIONS",
+    "AUTOSCALER_DESIRED",
+    "AUTOSCALER_LABELS",
+    "AUTOSCALER_METRICS",
+    "AUTOSCALER_NEEDED",
+    "AUTOSCALER_READY",
+    "AUTOSCALER_SCRAPE_ERRORS",
+    "AUTOSCALER_TICK_SECONDS",
     "E2E_REQUEST_LATENCY",
     "ENGINE_METRICS",
     "GENERATION_TOKENS",
@@ -34,6 +43,7 @@ __all__ = [
     "PREFIX_CACHE_HITS",
     "PREFIX_CACHE_QUERIES",
     "PROMPT_TOKENS",
+    "PROMPT_TOKENS_WAITING",
     "REQUEST_QUEUE_TIME",
     "ROUTER_DECISIONS",
     "ROUTER_EJECTIONS",
@@ -95,6 +105,11 @@ NUM_REQUESTS_RUNNING = MetricSpec(
 NUM_REQUESTS_WAITING = MetricSpec(
     "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."
 )
+PROMPT_TOKENS_WAITING = MetricSpec(
+    "fleetserve:prompt_tokens_waiting", "gauge",
+    "Prompt tokens not yet computed: waiting requests' whole prompts plus the rest of"
+    " partially prefilled ones (the prefill backlog the autoscaler divides by throughput).",
+)  # fmt: skip
 KV_CACHE_USAGE = MetricSpec(
     "vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full)."
 )
@@ -213,6 +228,7 @@ SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS_WAITING,
     KV_CACHE_USAGE,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
@@ -286,3 +302,52 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
     ROUTER_ENGINES,
 )
 """Everything the router exports (its `labels` are all its labels: no `model_name`)."""
+
+# -- the operator's autoscaler (`fleetserve.operator.autoscale.metrics`; its own labels) -------
+
+AUTOSCALER_LABELS = ("namespace", "deployment", "role")
+
+AUTOSCALER_DESIRED = MetricSpec(
+    "fleetserve:autoscaler_desired_replicas", "gauge",
+    "Groups the autoscaler wants per role.", labels=AUTOSCALER_LABELS,
+)  # fmt: skip
+AUTOSCALER_CURRENT = MetricSpec(
+    "fleetserve:autoscaler_current_replicas", "gauge",
+    "Groups desired before the latest decision (starting ones included).",
+    labels=AUTOSCALER_LABELS,
+)  # fmt: skip
+AUTOSCALER_READY = MetricSpec(
+    "fleetserve:autoscaler_ready_replicas", "gauge",
+    "Groups whose engines answered the latest scrape.", labels=AUTOSCALER_LABELS,
+)  # fmt: skip
+AUTOSCALER_NEEDED = MetricSpec(
+    "fleetserve:autoscaler_needed_replicas", "gauge",
+    "Replicas the measured load needs, before tolerance, windows and bounds.",
+    labels=AUTOSCALER_LABELS,
+)  # fmt: skip
+AUTOSCALER_DECISIONS = MetricSpec(
+    "fleetserve:autoscaler_decisions", "counter",
+    "Scale decisions that changed a role's desired groups, by direction (up, down).",
+    labels=(*AUTOSCALER_LABELS, "direction"),
+)  # fmt: skip
+AUTOSCALER_SCRAPE_ERRORS = MetricSpec(
+    "fleetserve:autoscaler_scrape_errors", "counter",
+    "Engine or router /metrics scrapes that failed (the pod's load does not count).",
+    labels=("namespace", "deployment"),
+)  # fmt: skip
+AUTOSCALER_TICK_SECONDS = MetricSpec(
+    "fleetserve:autoscaler_tick_seconds", "histogram",
+    "Time of one autoscaler tick of one deployment (scrapes, decision, status write).",
+    (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), labels=("namespace", "deployment"),
+)  # fmt: skip
+
+AUTOSCALER_METRICS: tuple[MetricSpec, ...] = (
+    AUTOSCALER_DESIRED,
+    AUTOSCALER_CURRENT,
+    AUTOSCALER_READY,
+    AUTOSCALER_NEEDED,
+    AUTOSCALER_DECISIONS,
+    AUTOSCALER_SCRAPE_ERRORS,
+    AUTOSCALER_TICK_SECONDS,
+)
+"""What the operator's metrics endpoint exports (`labels` are all their labels)."""

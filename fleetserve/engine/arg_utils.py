@@ -264,13 +264,24 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value!r} asks for {feature}, which this build does not implement yet "
                 f"({issue}); leave {name} at its default ({getattr(defaults, name)!r})"
             )
+    kv = args.kv_transfer_config
+    if kv is not None and args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with kv_transfer_config asks "
+            "for KV transfer between pipeline stages, which this build does not implement yet "
+            "(issue 16); P/D engines need pipeline_parallel_size 1 (tensor parallel is supported "
+            "in pull mode)"
+        )
+    if kv is not None and args.tensor_parallel_size > 1:
+        mode = kv.get("transfer_mode", "pull")
+        if mode != "pull":
+            raise ValueError(
+                f"tensor_parallel_size={args.tensor_parallel_size} with kv_transfer_config "
+                f"transfer_mode {mode!r} is not implemented (issue 16): KV transfer between "
+                "tensor-parallel engines needs transfer_mode 'pull' (tcp or mooncake)"
+            )
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         value = getattr(args, name)
-        if args.kv_transfer_config is not None and value > 1:
-            raise ValueError(
-                f"{name}={value} with kv_transfer_config asks for KV transfer from several "
-                "ranks, which this build does not implement yet (issue 16); use 1 on P/D engines"
-            )
         if args.speculative_config is not None and value > 1:
             # NOTE: drafts are proposed and verified on one rank's runner; several ranks would
             # need them broadcast (and a draft model sharded), which is not built.

@@ -62,6 +62,7 @@ class EngineMetrics:
 
         self.num_requests_running: Gauge = make(names.NUM_REQUESTS_RUNNING)
         self.num_requests_waiting: Gauge = make(names.NUM_REQUESTS_WAITING)
+        self.prompt_tokens_waiting: Gauge = make(names.PROMPT_TOKENS_WAITING)
         self.kv_cache_usage_perc: Gauge = make(names.KV_CACHE_USAGE)
         self.prefix_cache_queries: Counter = make(names.PREFIX_CACHE_QUERIES)
         self.prefix_cache_hits: Counter = make(names.PREFIX_CACHE_HITS)
@@ -80,6 +81,7 @@ class EngineMetrics:
         """Update gauges and cumulative counters from the core's per-step stats."""
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.prompt_tokens_waiting.set(stats.num_waiting_prompt_tokens)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         totals = self._totals
         # NOTE: a prefix-cache reset may restart the core's counts; never decrement.

@@ -9,8 +9,15 @@ from typing import Any
 __all__ = ["register", "run"]
 
 
-def run(*, namespaces: list[str], peering: str | None, liveness: str | None) -> None:
-    """Run the operator until interrupted (blocks)."""
+def run(
+    *,
+    namespaces: list[str],
+    peering: str | None,
+    liveness: str | None,
+    metrics: str | None = None,
+) -> None:
+    """Run the operator until interrupted (blocks); `metrics` HOST:PORT serves its
+    `fleetserve:autoscaler_*` metrics at /metrics (None: not served)."""
     import kopf
 
     import fleetserve.operator.handlers  # noqa: F401  (registers the handlers)
@@ -22,12 +29,18 @@ def run(*, namespaces: list[str], peering: str | None, liveness: str | None) -> 
             clusterwide=not namespaces,
             namespaces=namespaces,
             liveness_endpoint=liveness,
+            memo=kopf.Memo(metrics_address=metrics),
         )
     )
 
 
 def _run(args: argparse.Namespace) -> int:
-    run(namespaces=args.namespace, peering=args.peering, liveness=args.liveness or None)
+    run(
+        namespaces=args.namespace,
+        peering=args.peering,
+        liveness=args.liveness or None,
+        metrics=args.metrics or None,
+    )
     return 0
 
 
@@ -44,5 +57,10 @@ def register(subparsers: Any) -> None:
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint URL ('' to disable)",
+    )
+    parser.add_argument(
+        "--metrics",
+        default="0.0.0.0:8081",
+        help="HOST:PORT of the operator's own /metrics (the autoscaler's; '' to disable)",
     )
     parser.set_defaults(func=_run)

@@ -9,12 +9,19 @@ phase Failed inside the reconcile and is not retried (`fleetserve.operator.error
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+from dataclasses import dataclass
 from typing import Any, cast
 
 import kopf
 
 from fleetserve.api.labels import LABEL_DEPLOYMENT, LABEL_GROUP
 from fleetserve.api.models import GROUP, PLURAL, VERSION
+from fleetserve.api.role_adapter import ROLE_PLURAL
+from fleetserve.operator.autoscale.loop import Autoscaler
+from fleetserve.operator.autoscale.metrics import AutoscalerMetrics, serve_metrics
+from fleetserve.operator.autoscale.scale_adapter import sync_role_adapters
 from fleetserve.operator.kube import Kube
 from fleetserve.operator.reconcile import (
     live_pod,
@@ -30,20 +37,58 @@ __all__ = [
     "on_operator_cleanup",
     "on_operator_startup",
     "on_pod_event",
+    "on_role_adapter_event",
     "on_statefulset_event",
 ]
 
 
+def _post_event(body: dict[str, Any], kind: str, reason: str, message: str) -> None:
+    # NOTE: kopf.event only reads apiVersion/kind/metadata, which a raw dict has; it is safe
+    # from the autoscaler's worker threads (it hands the event to kopf's loop thread-safely).
+    kopf.event(cast(Any, body), type=kind, reason=reason, message=message)
+
+
+@dataclass
+class _EventContext:
+    """Posts kopf events from threads kopf did not start (the autoscaler's).
+
+    kopf.event needs kopf's event-queue context variables, which its resource handlers carry
+    but the startup handler (where the autoscaler task starts) does not; so a handler's context
+    is kept here. One object for the operator: kopf gives each resource a shallow copy of the
+    memo, which shares it.
+    """
+
+    context: contextvars.Context | None = None
+
+    def post(self, body: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        if self.context is not None:
+            self.context.copy().run(_post_event, body, kind, reason, message)
+
+
 @kopf.on.startup()
-def on_operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def on_operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings, memo)
+    state: OperatorState = memo.state
+    metrics = AutoscalerMetrics()
+    address = getattr(memo, "metrics_address", None)
+    memo.metrics_server = serve_metrics(metrics, address) if address else None
+    memo.event_context = _EventContext()
+    memo.autoscaler = Autoscaler(_kube(state), metrics, state.lock_for, memo.event_context.post)
+    memo.autoscaler_stop = asyncio.Event()
+    memo.autoscaler_task = asyncio.create_task(memo.autoscaler.run(memo.autoscaler_stop))
 
 
 @kopf.on.cleanup()
-def on_operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
+async def on_operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
     state: OperatorState | None = getattr(memo, "state", None)
     if state is not None:
         state.retries.close()
+    if getattr(memo, "autoscaler_task", None) is not None:
+        memo.autoscaler_stop.set()
+        await memo.autoscaler_task
+        memo.autoscaler.close()
+    if getattr(memo, "metrics_server", None) is not None:
+        memo.metrics_server.shutdown()
 
 
 def _kube(state: OperatorState) -> Kube:
@@ -62,17 +107,24 @@ def _reconcile_body(state: OperatorState, body: dict[str, Any]) -> None:
             return
         body = live
         result = reconcile(_kube(state), body)
+        # NOTE: after the reconcile, under the same lock, from live reads: a scale through a
+        # role's adapter is carried into the spec (and the next event reconciles it). A spec
+        # the operator cannot realise (phase Failed) gets no new objects, adapters included.
+        adapter_events = (
+            sync_role_adapters(_kube(state), ns, name)
+            if result.status.get("phase") != "Failed"
+            else []
+        )
     if result.requeue_after_s is not None:  # a drain in progress: look again soon
         state.retries.later(f"requeue {key}", result.requeue_after_s,
                             lambda: _reconcile(state, ns, name))  # fmt: skip
     generation = int(body["metadata"].get("generation", 1))
-    for kind, reason, message in result.events:
+    for kind, reason, message in [*result.events, *adapter_events]:
         if kind == "Warning":
             if state.warned.get(key) == (generation, reason, message):
                 continue
             state.warned[key] = (generation, reason, message)
-        # NOTE: kopf.event only reads apiVersion/kind/metadata, which a raw dict has.
-        kopf.event(cast(Any, body), type=kind, reason=reason, message=message)
+        _post_event(body, kind, reason, message)
 
 
 def _reconcile_live(state: OperatorState, namespace: str, name: str) -> None:
@@ -103,8 +155,20 @@ def on_inferencedeployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> N
     if event["type"] == "DELETED" or meta.get("deletionTimestamp"):
         memo.state.retries.forget(f"reconcile {meta['namespace']}/{meta['name']}")
         memo.state.warned.pop(f"{meta['namespace']}/{meta['name']}", None)
+        memo.autoscaler.forget(meta["namespace"], meta["name"])
         return
+    memo.event_context.context = contextvars.copy_context()
+    memo.autoscaler.track(obj)
     _reconcile(memo.state, meta["namespace"], meta["name"], obj)
+
+
+@kopf.on.event(GROUP, VERSION, ROLE_PLURAL)
+def on_role_adapter_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    """A role's scale subresource changed (or its adapter went): reconcile its deployment."""
+    obj = event["object"]
+    deployment = (obj.get("spec") or {}).get("deployment")
+    if deployment:
+        _reconcile(memo.state, obj["metadata"]["namespace"], deployment)
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

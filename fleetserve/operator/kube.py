@@ -18,6 +18,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from fleetserve.api.models import API_VERSION, PLURAL
+from fleetserve.api.role_adapter import ROLE_KIND, ROLE_PLURAL
 
 __all__ = ["FIELD_MANAGER", "Kube", "resource_path"]
 
@@ -33,6 +34,7 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
         "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
         "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
+        ROLE_KIND: (f"/apis/{API_VERSION}", ROLE_PLURAL),
     }
 )
 
@@ -143,9 +145,10 @@ class Kube:
         )
 
     def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        """JSON merge patch (None values remove keys) as FIELD_MANAGER. Used for marks that
-        the applied objects do not carry (a drain's label and annotations), so the next apply
-        leaves them alone."""
+        """JSON merge patch (None values remove keys) of an object's main resource (not its
+        status), as FIELD_MANAGER: marks the applied objects do not carry (a drain's label and
+        annotations, which the next apply leaves alone) and a role adapter's scale carried into
+        the deployment's spec."""
         self.writes.append(f"PATCH {kind}/{name}")
         query = urlencode({"fieldManager": FIELD_MANAGER})
         self._call(

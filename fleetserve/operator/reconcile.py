@@ -24,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
 from fleetserve.api.labels import LABEL_DEPLOYMENT, LABEL_GROUP, LABEL_ROLE
 from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.operator.autoscale.replicas import with_effective_replicas
 from fleetserve.operator.builders import (
     Owner,
     build_children,
@@ -95,6 +96,8 @@ def reconcile(kube: Kube, body: dict[str, Any], *, now: str | None = None) -> Re
     spec: InferenceDeploymentSpec | None = None
     try:
         spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        # The autoscaler's (or the spec's) groups per role: everything below reads these.
+        spec = with_effective_replicas(spec, body.get("status"))
         build_children(spec, owner)  # a spec the builders refuse fails before any write
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         hashes = role_compatibility_hashes(spec) if spec is not None else None

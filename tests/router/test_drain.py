@@ -5,13 +5,11 @@ hash while two revisions serve side by side."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 from kubernetes.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodStatus
 from prometheus_client import CollectorRegistry
 
@@ -54,21 +52,7 @@ def test_the_draining_label_drops_the_pod_from_the_fleet_at_once_and_unlabelling
     async def main() -> None:
         api = FakeApiServer()
         api.pods = {"d-0": _pod("d-0", "10.2.0.1"), "d-1": _pod("d-1", "10.2.0.2")}
-        app = web.Application()
-        app.router.add_get("/api/v1/namespaces/ns/pods", api.pods_handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
-            "users": [{"name": "t", "user": {"token": "x"}}],
-        }))  # fmt: skip
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        runner = await api.serve(tmp_path, monkeypatch)
         config = RouterConfig(namespace="ns", prefill_selector="r=p", decode_selector="r=d",
                               engine_port=8000)  # fmt: skip
         fleet = Fleet(config, RouterMetrics(CollectorRegistry()))

@@ -64,15 +64,11 @@ class FakeApiServer:
             await response.write(json.dumps(event).encode() + b"\n")
         return response
 
-
-def test_pods_join_and_leave_the_fleet_as_they_become_ready_or_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    async def main() -> None:
-        api = FakeApiServer()
-        api.pods = {"d-0": _pod("d-0", "10.1.0.1", True), "d-1": _pod("d-1", "10.1.0.2", False)}
+    async def serve(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> web.AppRunner:
+        """Serve on a loopback port and point KUBECONFIG at it (the caller cleans the runner
+        up); the kubernetes client then talks to this server as to an API server."""
         app = web.Application()
-        app.router.add_get("/api/v1/namespaces/ns/pods", api.pods_handler)
+        app.router.add_get("/api/v1/namespaces/ns/pods", self.pods_handler)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -86,6 +82,16 @@ def test_pods_join_and_leave_the_fleet_as_they_become_ready_or_go(
         }))  # fmt: skip
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        return runner
+
+
+def test_pods_join_and_leave_the_fleet_as_they_become_ready_or_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        api = FakeApiServer()
+        api.pods = {"d-0": _pod("d-0", "10.1.0.1", True), "d-1": _pod("d-1", "10.1.0.2", False)}
+        runner = await api.serve(tmp_path, monkeypatch)
         config = RouterConfig(namespace="ns", prefill_selector="r=p", decode_selector="r=d",
                               compatibility_hash="h", engine_port=8000)  # fmt: skip
         fleet = Fleet(config, RouterMetrics(CollectorRegistry()))

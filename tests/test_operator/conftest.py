@@ -10,9 +10,7 @@ import pytest
 
 from fleetserve.devcluster.binaries import find_binaries
 from fleetserve.devcluster.testing import DevCluster
-from tests.test_operator.helpers import SA_NAME, SA_NAMESPACE, OperatorEnv
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.test_operator.helpers import OperatorEnv
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +19,7 @@ def operator_env(
 ) -> Iterator[OperatorEnv]:
     kubectl_bin = find_binaries().bin_dir / "kubectl"
     env = OperatorEnv(dev_cluster, kubectl_bin, Path(), tmp_path_factory.mktemp("operator"))
-    env.kubectl(
-        "apply",
-        "--server-side",
-        "-f",
-        str(ROOT / "crds" / "inferencedeployments.fleetserve.io.yaml"),
-    )
-    env.kubectl("apply", "-f", str(ROOT / "manifests" / "namespace.yaml"))
-    env.kubectl("apply", "-f", str(ROOT / "manifests" / "operator" / "rbac.yaml"))
-    env.kubectl("wait", "--for=condition=Established", "crd/inferencedeployments.fleetserve.io")
-    env.sa_kubeconfig = dev_cluster.service_account_kubeconfig(SA_NAME, SA_NAMESPACE)
+    env.install()
     env.start()
     try:
         yield env

@@ -58,6 +58,19 @@ class OperatorEnv:
     def apply(self, ns: str, doc: dict[str, Any]) -> None:
         self.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(doc))
 
+    def install(self) -> None:
+        """Every CRD of the install (the InferenceDeployment and its per-role scale adapter),
+        the namespace and the operator's RBAC from manifests/, and its ServiceAccount's
+        kubeconfig (the operator runs with exactly those grants)."""
+        root = Path(__file__).resolve().parents[2]
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(root / "crds"))
+        self.kubectl("apply", "-f", str(root / "manifests" / "namespace.yaml"))
+        self.kubectl("apply", "-f", str(root / "manifests" / "operator" / "rbac.yaml"))
+        self.kubectl(
+            "wait", "--for=condition=Established", "crd/inferencedeployments.fleetserve.io"
+        )
+        self.sa_kubeconfig = self.dc.service_account_kubeconfig(SA_NAME, SA_NAMESPACE)
+
     def start(self) -> None:
         assert self.proc is None, "operator already running"
         env = {**os.environ, "KUBECONFIG": str(self.sa_kubeconfig)}

@@ -8,6 +8,15 @@
 The offline `LLM` runs it in-process; the server runs it in its own process behind ZMQ. The
 executor class comes from the parallel topology (`Executor.get_class(config.parallel)`); its
 `initialize()` returns the KV block count the scheduler manages (the minimum over the ranks).
+
+With pipeline parallelism the executor takes up to `max_concurrent_batches` steps without
+waiting (one per stage), and `step` runs the batch queue instead (seed notes part 1 §2.14):
+
+    if the queue has room: so = schedule(); submit it (a future)   # returns; stages overlap
+    otherwise:            update_from_output(oldest so, its result)  # waits for the oldest
+
+so that while the last stage computes batch N the first stage computes batch N + 1
+(`batch_queue` explains why the scheduler's state stays exact with batches outstanding).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.batch_queue import BatchQueue
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
 from fleetserve.engine.core.outputs import (
     EngineCoreOutput,
@@ -40,12 +50,31 @@ _GRAMMAR_POLL_S = 0.005
 
 
 class EngineCore:
-    """Owns the scheduler and the executor; not thread-safe (one caller drives `step`)."""
+    """Owns the scheduler and the executor; not thread-safe (one caller drives `step`).
 
-    def __init__(self, config: EngineConfig) -> None:
+    Args:
+        config: the engine configuration.
+        max_concurrent_batches: batches in flight at most; None: as many as the executor
+            allows (`pipeline_parallel_size` with 'mp'); 1 runs every step synchronously.
+
+    Raises:
+        ValueError: `max_concurrent_batches` below 1 or above what the executor allows.
+    """
+
+    def __init__(self, config: EngineConfig, *, max_concurrent_batches: int | None = None) -> None:
         self.config = config
         executor_cls = Executor.get_class(config.parallel)
         self.executor: Executor = executor_cls(config)
+        allowed = self.executor.max_concurrent_batches
+        num_batches = allowed if max_concurrent_batches is None else max_concurrent_batches
+        if not 1 <= num_batches <= allowed:
+            self.executor.shutdown()
+            raise ValueError(
+                f"max_concurrent_batches must be in [1, {allowed}] for this executor, "
+                f"got {max_concurrent_batches}"
+            )
+        self.batch_queue = BatchQueue(num_batches) if num_batches > 1 else None
+        """The submitted steps, oldest first (None: every step completes before the next)."""
         num_kv_blocks = self.executor.initialize()
         connector = None
         if config.kv_transfer is not None:
@@ -74,6 +103,7 @@ class EngineCore:
             ),
             structured_output=create_manager(config),
             speculative_config=config.speculative,
+            max_concurrent_batches=num_batches,
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)
@@ -151,7 +181,12 @@ class EngineCore:
         that breaks a step fails alone (an output with `error`) while the others go on
         (`step_isolation`). Errors that mean the device is gone, and an engine that fails
         whatever it runs, propagate: the caller ends the engine.
+
+        With a batch queue (pipeline parallelism) the step submits a batch or applies the
+        oldest batch's output instead (`_step_with_batch_queue`).
         """
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         scheduler_output = self.scheduler.schedule()
         transfers_pending = self.scheduler.remote_kv.pending
         try:
@@ -188,21 +223,85 @@ class EngineCore:
             self.scheduler.structured_output.wait(_GRAMMAR_POLL_S)
         return outputs
 
+    def _step_with_batch_queue(self, queue: BatchQueue) -> list[EngineCoreOutput]:
+        """One step of the pipelined loop: submit a batch while the queue has room and there
+        is work to schedule; otherwise wait for the oldest batch and update from its output.
+
+        Returns:
+            The outputs of the batch whose result was applied (none when one was submitted).
+
+        A batch whose execution fails ends the engine (raised): the batches submitted after
+        it may have read KV it should have written, so rolling back one step (the
+        synchronous loop's step isolation) is not sound here. A dead worker raises
+        `ExecutorDeadError` from the wait, whatever the number of batches in flight.
+        """
+        outputs: list[EngineCoreOutput] = []
+        if not queue.full:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                queue.push(scheduler_output, self.executor.execute_model_async(scheduler_output))
+                return []
+            if not queue:
+                # NOTE: nothing in flight and nothing to compute: the synchronous step's idle
+                # path (tell the runner what finished, poll transfers, wait for grammars).
+                return self._run_empty_step(scheduler_output)
+            # NOTE: every schedulable request is in flight; what finished meanwhile still goes
+            # to the workers, in order behind the batches already submitted.
+            if _tells_runner(scheduler_output, self.scheduler.remote_kv.pending):
+                queue.push(scheduler_output, self.executor.execute_model_async(scheduler_output))
+            else:
+                outputs = self.scheduler.update_from_output(
+                    scheduler_output, ModelRunnerOutput.empty()
+                )
+        batch = queue.pop_oldest()
+        try:
+            runner_output = batch.future.result()
+        except Exception:
+            logger.error(
+                "a pipelined step of %d request(s) failed with %d more batch(es) in flight; "
+                "ending the engine",
+                len(batch.scheduler_output.num_scheduled_tokens),
+                len(queue),
+            )
+            raise
+        return outputs + self.scheduler.update_from_output(batch.scheduler_output, runner_output)
+
+    def _run_empty_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """A step that computes nothing, with nothing in flight: tell the workers what they
+        must know, then wait briefly for transfers or grammars instead of spinning."""
+        transfers_pending = self.scheduler.remote_kv.pending
+        runner_output = (
+            self.executor.execute_model(scheduler_output)
+            if _tells_runner(scheduler_output, transfers_pending)
+            else ModelRunnerOutput.empty()
+        )
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if transfers_pending and not outputs:
+            self.executor.collective_rpc("wait_for_kv_progress", _TRANSFER_POLL_S)
+        elif not outputs:
+            self.scheduler.structured_output.wait(_GRAMMAR_POLL_S)
+        return outputs
+
     def check_health(self) -> None:
         """Raises `ExecutorDeadError` when a worker is gone (cheap; the loop calls it between
         steps, so a dead worker ends an idle engine too)."""
         self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
-        """Live requests, or KV transfers still in flight (the loop must keep polling)."""
-        return self.scheduler.has_pending_work()
+        """Live requests, KV transfers or batches still in flight (the loop must keep
+        stepping)."""
+        return self.scheduler.has_pending_work() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's stats, with the KV connector's (its transfer observations since the
         last call move into them: call this once per step)."""
         stats = self.scheduler.make_stats()
+        if self.batch_queue is not None:
+            stats.num_batches_in_flight = len(self.batch_queue)
+            stats.max_batches_in_flight = self.batch_queue.max_depth
         if self.config.kv_transfer is not None:
-            (kv,) = self.executor.collective_rpc("kv_connector_stats")
+            # NOTE: the driver rank's counters (with TP it reports the loads for all ranks).
+            kv = self.executor.collective_rpc("kv_connector_stats")[0]
             kv.blocks_recomputed = self.scheduler.remote_kv.num_recomputed_blocks
             stats.kv_transfer = kv
         return stats
@@ -211,9 +310,23 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Release the grammar pool and the executor (batches still in flight are dropped)."""
         if self.scheduler.structured_output.manager is not None:
             self.scheduler.structured_output.manager.shutdown()
         self.executor.shutdown()
+
+
+def _tells_runner(scheduler_output: SchedulerOutput, transfers_pending: bool) -> bool:
+    """Whether a step that computes nothing must still reach the workers: they drop finished
+    and preempted requests' states, and the connector polls its transfers and takes its
+    instructions (a request waiting for its grammar was already announced: its watch must not
+    be lost)."""
+    return bool(
+        scheduler_output.finished_req_ids
+        or scheduler_output.preempted_req_ids
+        or transfers_pending
+        or _has_connector_instructions(scheduler_output)
+    )
 
 
 def _has_connector_instructions(scheduler_output: SchedulerOutput) -> bool:

@@ -159,6 +159,8 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_prompt_tokens: int = 0
+    """Prompt tokens still to compute, of waiting and of partially prefilled running requests."""
     kv_cache_usage: float = 0.0
     """Fraction of usable KV blocks (excluding the null block) held by requests, in [0, 1]."""
     prefix_cache_queries: int = 0
@@ -171,6 +173,10 @@ class SchedulerStats:
     """The KV connector's counters and this step's transfer observations (P/D engines)."""
     spec_decoding: SpecDecodingStats | None = None
     """Cumulative draft acceptance counters (engines with speculative decoding)."""
+    num_batches_in_flight: int = 0
+    """Batches submitted and not yet applied after the step (pipeline parallelism; else 0)."""
+    max_batches_in_flight: int = 0
+    """The most batches ever in flight at once (pipeline parallelism; else 0)."""
 
 
 def concat_logprobs_rows(first: LogprobsLists | None, more: LogprobsLists) -> LogprobsLists:

@@ -16,6 +16,12 @@ Each step (`schedule`):
 them; see `spec_decode.scheduling`), appends the sampled tokens, applies the stop conditions,
 frees finished requests and keeps the runner's new drafts for the next step. A preempted request loses its blocks and its computed tokens and is resumed by recompute
 (softened by the prefix cache).
+
+With `max_concurrent_batches > 1` (pipeline parallelism) several scheduled batches may be in
+flight at once: a request is in at most one of them and is skipped until its batch's output
+returns (`batch_queue.InFlightRequests`), a batch takes an even share of the schedulable
+requests over the free batch slots (so each stage gets one), and an output applies only to the
+requests it carried.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from fleetserve.engine.core.batch_queue import InFlightRequests
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from fleetserve.engine.core.outputs import (
     EngineCoreOutput,
@@ -63,6 +70,8 @@ class Scheduler:
         structured_output: the engine's grammar manager (None: constrained requests refused).
         speculative_config: speculative decoding (drafts verified after a decode's real token,
             see `spec_decode.scheduling`); None = off.
+        max_concurrent_batches: batches the engine keeps in flight at once (its executor's);
+            above 1, requests in flight are tracked and skipped (see module doc).
     """
 
     def __init__(
@@ -74,6 +83,7 @@ class Scheduler:
         load_failure_policy: str = "fail",
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         self.config = scheduler_config
         self.connector = connector if connector is not None else NoKVConnector()
@@ -117,6 +127,10 @@ class Scheduler:
         self.num_lookahead_tokens = self.spec.num_lookahead_tokens if self.spec else 0
         if self.spec is not None:
             self.spec.draft_filter = self.structured_output.valid_drafts
+        self.in_flight = (
+            InFlightRequests(max_concurrent_batches) if max_concurrent_batches > 1 else None
+        )
+        """Requests of the batches scheduled but not yet updated (None: one batch at a time)."""
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -214,10 +228,14 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
         threshold = self._long_prefill_threshold()
+        max_reqs = self._max_batch_requests()
 
         req_index = 0
-        while req_index < len(self.running) and budget > 0:
+        while req_index < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = self.running[req_index]
+            if self._is_in_flight(request):
+                req_index += 1
+                continue
             drafts = self._pending_drafts(request)
             num_new = self._cap_new_tokens(
                 request,
@@ -266,7 +284,7 @@ class Scheduler:
             req_index += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, threshold, num_scheduled, scheduled_new)
+            budget = self._admit_waiting(budget, threshold, num_scheduled, scheduled_new, max_reqs)
 
         output = self._build_output(
             scheduled_new, scheduled_running, new_block_ids, num_scheduled, preempted, spec_tokens
@@ -277,7 +295,23 @@ class Scheduler:
                 self.spec.forget(request.request_id)
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
+        if self.in_flight is not None and num_scheduled:
+            self.in_flight.add(output, scheduled_new + scheduled_running)
         return output
+
+    def _max_batch_requests(self) -> int:
+        """Requests this batch may carry: all of them, or under pipelining its even share of
+        the schedulable ones (`InFlightRequests.share`), so every stage gets a batch."""
+        if self.in_flight is None:
+            return self.config.max_num_seqs
+        num_running = sum(1 for request in self.running if request not in self.in_flight)
+        num_admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        return self.in_flight.share(num_running + max(num_admissible, 0))
+
+    def _is_in_flight(self, request: Request) -> bool:
+        """Whether `request` is in a batch whose output has not been applied yet (its next
+        tokens depend on that output, and its state is about to change)."""
+        return self.in_flight is not None and request in self.in_flight
 
     def _schedule_alone(self, request: Request) -> SchedulerOutput:
         """A step that runs only `request` (a suspect, waiting since its step failed), making
@@ -361,10 +395,19 @@ class Scheduler:
         threshold: int,
         num_scheduled: dict[str, int],
         scheduled_new: list[Request],
+        max_reqs: int,
     ) -> int:
-        """Move WAITING/PREEMPTED requests into RUNNING while they fit; returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """Move WAITING/PREEMPTED requests into RUNNING while they fit (the step carrying at
+        most `max_reqs` requests); returns the budget left."""
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_reqs
+        ):
             request = self.waiting.peek()
+            if self._is_in_flight(request):
+                break  # NOTE: preempted while in flight: re-admitted once its batch is back
             num_new = self._admit(request, budget, threshold)
             if num_new is None:
                 break
@@ -544,10 +587,15 @@ class Scheduler:
             One `EngineCoreOutput` per request that received tokens this step.
         """
         outputs, self._grammar_failures = self._grammar_failures, []
+        carried = None if self.in_flight is None else self.in_flight.complete(scheduler_output)
         for req_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
+            if carried is not None and request not in carried:
+                # NOTE: finished since the batch was scheduled, maybe resubmitted under the same
+                # id (another object): the output is not this request's.
+                continue
             prompt_rows = model_runner_output.prompt_logprobs.get(req_id)
             if prompt_rows is not None and request is not None:
                 request.prompt_logprobs_rows = concat_logprobs_rows(
@@ -649,6 +697,10 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting)
             + len(self.remote_kv.parked)
             + len(self.structured_output),
+            num_waiting_prompt_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for r in (*self.waiting, *self.running)
+            ),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,

@@ -1,5 +1,10 @@
 """One pipeline stage's step: receive the previous stage's activations, run this stage's layers,
-send them on (synchronous: one batch in flight across the stages).
+send them on.
+
+A stage runs its steps in the order the executor submitted them and moves to the next one as
+soon as it has sent its activations, so with several batches in flight (the engine core's batch
+queue) stage 1 computes batch N while stage 2 computes batch N - 1; sends and receives between
+two stages pair up in that same order.
 
 What travels between stages is `IntermediateTensors`, the hidden states and the residual stream
 of every token of the step, stacked into one [2, num_tokens, hidden] message over the pipeline

@@ -8,7 +8,9 @@ are equal. It covers everything that changes what a block's bytes mean, from res
 - the KV layout: dtype, block size, layers, KV heads, head size, the layout name;
 - the connector, its transfer mode (push and pull engines never pair) and the engine version.
 
-Parallel sizes are not in it: the connector works block by block, whatever the producer's TP.
+Parallel sizes are not in it: the connector works block by block and maps the KV heads between
+ranks of different tensor-parallel sizes (`head_map`); a pair whose heads do not map is refused
+by the handshake, which compares the layouts themselves.
 """
 
 from __future__ import annotations

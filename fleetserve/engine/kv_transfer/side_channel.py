@@ -5,7 +5,8 @@ and its `side_channel_port`) in a background thread, straight between the engine
 (never through the API servers). Messages are msgspec msgpack structs:
 
 - `Handshake` → `HandshakeReply`: the producer's identity, compatibility hash (and the key it
-  covers, for a readable mismatch error), lease length and transport descriptor;
+  covers, for a readable mismatch error), lease length, KV layout (TP size, heads, blocks) and
+  every rank's transport descriptor (the driver rank answers for all of them);
 - `Heartbeat(keys)`: extend the producer's leases on those transfers;
 - `Done(keys)`: the consumer has its KV (pull), the producer may free the blocks;
 - `PushRequest`: the consumer's blocks for a transfer (push mode);
@@ -55,6 +56,12 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     transport: dict[str, Any]
     """The engine's transport descriptor (regions, endpoint, incarnation namespace)."""
     error: str | None = None
+    layout: dict[str, Any] | None = None
+    """The engine's KV layout (`head_map.KVLayout.to_dict`); None from a one-rank engine that
+    predates it (then: TP=1, `transport` is its only rank)."""
+    rank_transports: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """Every tensor-parallel rank's transport descriptor, in rank order (rank 0's is also
+    `transport`); empty means one rank."""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -26,6 +26,19 @@ compute them (`save_kv_layer`), the rest when the prompt finishes, then `PushDon
 A block is never reused while a transfer may still write into it: a failed transfer is reported
 only once the transport says it is quiesced (else it is kept in flight until it is), and a
 consumer request ended while blocks were offered to a push revokes the push first.
+
+Tensor parallel (pull mode, `RankGroup`): every rank moves its own share of the KV heads. The
+producer's driver rank (rank 0) answers the handshake with the engine's `KVLayout` and every
+rank's transport descriptor, holds the leases and takes the heartbeats and `Done`s (block ids are
+the same on every rank: one scheduler); the other producer ranks only serve their regions. Each
+consumer rank maps its heads onto the producer's ranks (`plan_head_slices`): a rank whose heads
+are exactly one producer rank's pulls straight into its cache (same TP: rank r from rank r);
+otherwise it pulls those ranks' whole blocks into staging buffers and copies its head slices
+into its blocks (our blocks are token-major, `[block_size, heads, head_size]`, so a head slice is
+not contiguous in a block). A consumer rank's load that ended (landed or failed, nothing still
+writing) is a vote; each step the ranks gather their votes, and the driver reports the load (and
+sends `Done`) only once every rank voted: so no rank's blocks are used, or reused, early
+(a gather per step only while a load is open).
 """
 
 from __future__ import annotations
@@ -51,10 +64,12 @@ from fleetserve.engine.kv_transfer.connector_meta import (
     P2PMetadata,
     SaveSpec,
 )
+from fleetserve.engine.kv_transfer.head_map import HeadSlice, KVLayout, plan_head_slices
 from fleetserve.engine.kv_transfer.lease import HeartbeatSchedule, LeaseTable
 from fleetserve.engine.kv_transfer.ledger import FailureLedger, TransferStage
 from fleetserve.engine.kv_transfer.params import ConsumerParams
 from fleetserve.engine.kv_transfer.peers import PeerRegistry
+from fleetserve.engine.kv_transfer.rank_group import RankGroup, SingleRank
 from fleetserve.engine.kv_transfer.scheduler_role import EngineIdentity
 from fleetserve.engine.kv_transfer.side_channel import (
     ControlClient,
@@ -112,15 +127,32 @@ class _Peer:
     port: int
     lease_seconds: float
     descriptor: EndpointDescriptor
+    layout: KVLayout | None = None
+    """The producer's KV layout (None: a one-rank push target)."""
+    rank_descriptors: tuple[EndpointDescriptor, ...] = ()
+    """Every producer rank's transport, in rank order."""
+    slices: tuple[HeadSlice, ...] = ()
+    """What this rank reads from the producer's ranks (`plan_head_slices`)."""
+
+    @property
+    def direct(self) -> bool:
+        """Whether this rank's heads are exactly one producer rank's (no staging)."""
+        if len(self.slices) != 1 or self.layout is None:
+            return False
+        (only,) = self.slices
+        held = len(self.layout.heads_of(only.producer_rank))
+        return only.src_start == 0 and only.dst_start == 0 and only.count == held
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
     state: str = "handshake"
-    """handshake → checking → moving → verifying → done (or failed), or awaiting_push."""
+    """handshake → checking → moving → verifying → done (or failed), or awaiting_push; with
+    several ranks, moving → landed/failed_local (a vote) → verifying on the driver."""
     job: Future[Any] | None = None
-    handle: TransferHandle | None = None
+    handles: list[TransferHandle] = field(default_factory=list)
+    """One per producer rank this rank pulls from."""
     peer: _Peer | None = None
     failure: str | None = None
     """Set while "draining": why it failed, reported once nothing can write any more."""
@@ -159,9 +191,23 @@ class P2PConnectorWorker:
         compatibility_key: dict[str, Any],
         block_size: int,
         transport: KVTransport,
+        layout: KVLayout,
+        ranks: RankGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.layout = layout
+        self.ranks: RankGroup = ranks if ranks is not None else SingleRank()
+        if self.ranks.size != layout.tp_size:
+            raise ValueError(
+                f"the connector's rank group has {self.ranks.size} ranks but the layout "
+                f"TP={layout.tp_size}"
+            )
+        if layout.tp_size > 1 and config.transfer_mode != "pull":
+            raise ValueError(
+                f"kv_transfer_config.transfer_mode {config.transfer_mode!r} with "
+                f"tensor_parallel_size {layout.tp_size} is not implemented; use 'pull'"
+            )
         self.engine_id = engine_id
         self.compatibility_hash = compatibility_hash
         self.compatibility_key = compatibility_key
@@ -195,6 +241,17 @@ class P2PConnectorWorker:
         self._step_saves: list[SaveSpec] = []
         self._step_pushes: list[tuple[str, TransferHandle]] = []
         self._num_layers = 0
+        self._kv_caches: list[torch.Tensor] = []
+        self._rank_descriptors: list[dict[str, Any]] = []
+        self._stages: dict[tuple[int, int], list[torch.Tensor]] = {}
+        """(producer rank, its heads) → per layer a staging `[2, num_blocks, ...]` (registered
+        as local regions "stage.<rank>x<heads>.layer.<i>.<k|v>")."""
+        self._local_votes: dict[str, str | None] = {}
+        """Loads this rank ended since the last gather: request id → failure (None: landed)."""
+        self._votes: dict[str, dict[int, str | None]] = {}
+        """Every rank's vote on each load, until all ranks voted (the same on every rank)."""
+        self._open: set[str] = set()
+        """Loads started and not yet voted on by every rank (the same on every rank)."""
         self.control = ControlServer(config.host, config.side_channel_port, self._on_control)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -218,7 +275,11 @@ class P2PConnectorWorker:
             raise ValueError(f"{len(kv_caches)} caches but {len(layer_names)} layer names")
         self.transport.register_kv_caches(kv_caches, shared=shared)
         self._num_layers = len(kv_caches)
+        self._kv_caches = list(kv_caches)
         self._layer_of = {name: i for i, name in enumerate(layer_names)}
+        if self.ranks.size > 1:
+            # NOTE: a collective: every rank registers once, at the same point of start-up.
+            self._rank_descriptors = self.ranks.all_gather(self.transport.descriptor().to_dict())
 
     def identity(self) -> EngineIdentity:
         return EngineIdentity(
@@ -253,6 +314,8 @@ class P2PConnectorWorker:
                 compatibility_key=self.compatibility_key,
                 lease_seconds=self.config.lease_seconds,
                 transport=self.transport.descriptor().to_dict(),
+                layout=self.layout.to_dict(),
+                rank_transports=self._rank_descriptors,
             )
         if isinstance(message, Heartbeat):
             with self._lock:
@@ -301,7 +364,14 @@ class P2PConnectorWorker:
         """Between steps that only poll transfers: return as soon as one may advance (a pull
         landed, an io job or a control message arrived), or after `timeout_s`."""
         moving = next(
-            (load.handle for load in self._loads.values() if load.state == "moving"), None
+            (
+                handle
+                for load in self._loads.values()
+                if load.state == "moving"
+                for handle in load.handles
+                if handle.poll().state is TransferState.PENDING
+            ),
+            None,
         )
         if moving is not None:
             moving.wait(timeout_s)
@@ -403,15 +473,72 @@ class P2PConnectorWorker:
             if load.state == "moving":  # bytes may still be landing: fence until they stop
                 self._drain(load, message)
                 continue
-            self._finish_load(load, output, message)
+            self._end(load, output, message)
+        if self.ranks.size > 1:
+            self._agree(output)
         return output
+
+    # -- tensor-parallel agreement ---------------------------------------------------------------
+
+    def _end(self, load: _Load, output: KVConnectorOutput, failure: str | None) -> None:
+        """A load ended on this rank (nothing of it writes any more): report it (one rank), or
+        vote (several: `_agree` reports it once every rank voted)."""
+        if self.ranks.size == 1 or load.state == "verifying":
+            self._finish_load(load, output, failure)
+            return
+        request_id = load.spec.request_id
+        if failure is not None or request_id not in self._local_votes:
+            self._local_votes[request_id] = failure
+        if self.ranks.rank != 0:
+            self._loads.pop(request_id, None)
+            self.ledger.complete(request_id)
+        elif load.state != "failed_local":
+            # The driver keeps the load (inert) for the report; its watchdog still runs, so a
+            # rank that never votes turns into a failure here.
+            load.state = "landed" if failure is None else "failed_local"
+            load.failure = failure
+
+    def _agree(self, output: KVConnectorOutput) -> None:
+        """(Every rank, a collective.) Gather the ranks' votes; the driver reports each load
+        every rank voted on, or sends `Done` first when all landed.
+
+        NOTE: only while some load is open: every rank opens a load at the same step (the
+        step's metadata is the same on every rank) and closes it when the gathered votes (the
+        same on every rank) are complete, so all ranks agree on whether to gather without
+        asking; steps without loads in flight pay nothing.
+        """
+        if not self._open:
+            return
+        votes, self._local_votes = self._local_votes, {}
+        gathered = self.ranks.all_gather(votes)
+        for rank, rank_votes in enumerate(gathered):
+            for request_id, failure in rank_votes.items():
+                box = self._votes.setdefault(request_id, {})
+                if failure is not None or rank not in box:
+                    box[rank] = failure
+        for request_id, box in list(self._votes.items()):
+            if len(box) < self.ranks.size:
+                continue
+            del self._votes[request_id]
+            self._open.discard(request_id)
+            load = self._loads.get(request_id) if self.ranks.rank == 0 else None
+            if load is None:
+                continue
+            failures = [f"rank {r}: {f}" for r, f in sorted(box.items()) if f is not None]
+            if not failures and load.state == "landed" and load.peer is not None:
+                key = load.spec.params.remote_request_id
+                load.job = self._submit(self._lease_is_held, load.peer, key, Done)
+                load.state = "verifying"
+                continue
+            self._finish_load(load, output, "; ".join(failures) or load.failure or "failed")
 
     # -- consumer ------------------------------------------------------------------------------
 
     def _watch(self, request_id: str, params: ConsumerParams, now: float) -> None:
         self._watched[request_id] = params
         self._addresses[params.remote_engine_id] = (params.remote_host, params.remote_port)
-        self.heartbeats.add(params.remote_request_id, params.remote_engine_id, now)
+        if self.ranks.rank == 0:  # the driver keeps the lease (one per transfer, not per rank)
+            self.heartbeats.add(params.remote_request_id, params.remote_engine_id, now)
         self.peers.connect(params.remote_engine_id)  # start the handshake early
 
     def _handshake(self, engine_id: str) -> _Peer:
@@ -438,16 +565,37 @@ class P2PConnectorWorker:
                 f"producer {engine_id} has {reply.compatibility_hash} (they differ in "
                 f"{', '.join(differ) or 'nothing visible'}); these engines cannot exchange KV"
             )
+        descriptor = EndpointDescriptor.from_dict(reply.transport)
+        mine = self.layout
+        layout = (
+            KVLayout.from_dict(reply.layout)
+            if reply.layout is not None
+            else KVLayout(1, 1, mine.num_kv_heads, mine.head_size, mine.block_size)
+        )
+        ranks = tuple(EndpointDescriptor.from_dict(d) for d in reply.rank_transports) or (
+            descriptor,
+        )
+        if len(ranks) != layout.tp_size:
+            raise ValueError(
+                f"producer {engine_id} sent {len(ranks)} rank transports for TP={layout.tp_size}"
+            )
+        # Raises ValueError naming both layouts for a pair this connector cannot map.
+        slices = plan_head_slices(layout, self.layout, self.ranks.rank)
         return _Peer(
             engine_id=engine_id,
             host=host,
             port=port,
             lease_seconds=reply.lease_seconds,
-            descriptor=EndpointDescriptor.from_dict(reply.transport),
+            descriptor=descriptor,
+            layout=layout,
+            rank_descriptors=ranks,
+            slices=tuple(slices),
         )
 
     def _start_load(self, spec: LoadSpec, now: float) -> None:
         self._loads[spec.request_id] = _Load(spec)
+        if self.ranks.size > 1:
+            self._open.add(spec.request_id)
         self.ledger.watch(spec.request_id, spec.deadline_s)
         if spec.error is not None:
             self.ledger.report(spec.request_id, TransferStage.REGISTRATION, spec.error)
@@ -506,27 +654,36 @@ class P2PConnectorWorker:
                 )
                 return
             assert load.peer is not None
-            load.handle = self.transport.pull(load.peer.descriptor, self._copies(load))
             self.peers.begin_transfer(load.peer.engine_id)
             load.state = "moving"
+            for descriptor, copies in self._copies(load):
+                # NOTE: a pull refused at once raises: the ones already started still count
+                # (state moving), so the load drains them before it is reported.
+                load.handles.append(self.transport.pull(descriptor, copies))
         elif load.state == "moving":
-            assert load.handle is not None and load.peer is not None
-            status = load.handle.poll()
-            if status.state is TransferState.PENDING:
+            assert load.peer is not None
+            statuses = [handle.poll() for handle in load.handles]
+            if any(status.state is TransferState.PENDING for status in statuses):
                 return
-            if status.state is TransferState.FAILED:
-                failure = status.failure
-                assert failure is not None
-                if not failure.quiesced:
+            failures = [status.failure for status in statuses if status.failure is not None]
+            if failures:
+                failure = failures[0]
+                if not all(f.quiesced for f in failures):
                     self._drain(load, f"{_STAGES[failure.stage].value}: {failure.message}")
                     return
                 self.peers.end_transfer(load.peer.engine_id)
                 self.ledger.report(request_id, _STAGES[failure.stage], failure.message)
                 return
             self.peers.end_transfer(load.peer.engine_id)
-            self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
-            load.job = self._submit(self._lease_is_held, load.peer, key, Done)
-            load.state = "verifying"
+            for status in statuses:
+                self.stats.observe(status.elapsed_s, status.total_bytes, status.num_descriptors)
+            if not load.peer.direct:
+                self._unstage(load)
+            if self.ranks.size == 1:
+                load.job = self._submit(self._lease_is_held, load.peer, key, Done)
+                load.state = "verifying"
+            else:
+                self._end(load, output, None)
         elif load.state == "verifying":
             if load.job is None or not load.job.done():
                 return
@@ -542,13 +699,17 @@ class P2PConnectorWorker:
         elif load.state == "draining":
             # NOTE: the transport cannot say its writes stopped (Mooncake): wait for it, or for
             # its own transfer timeout, before the blocks may be reused.
-            assert load.handle is not None and load.peer is not None
-            status = load.handle.poll()
-            quiesced = status.failure is not None and status.failure.quiesced
+            assert load.peer is not None
+            statuses = [handle.poll() for handle in load.handles]
+            quiesced = all(
+                status.state is TransferState.DONE
+                or (status.failure is not None and status.failure.quiesced)
+                for status in statuses
+            )
             if not (quiesced or self.clock() >= load.drain_deadline):
                 return
             self.peers.end_transfer(load.peer.engine_id)
-            self._finish_load(load, output, load.failure)
+            self._end(load, output, load.failure)
         elif load.state == "awaiting_push":
             with self._lock:
                 done = self._pushed_done.pop(key, None)
@@ -592,17 +753,65 @@ class P2PConnectorWorker:
             time.sleep(pause)
             pause = min(0.02, pause * 2)
 
-    def _copies(self, load: _Load) -> list[BlockCopy]:
-        spec = load.spec
+    def _copies(self, load: _Load) -> list[tuple[EndpointDescriptor, list[BlockCopy]]]:
+        """The pulls of a load: per producer rank read, its descriptor and the copies (into
+        the cache when `direct`, else into that rank's staging regions)."""
+        spec, peer = load.spec, load.peer
+        assert peer is not None and peer.layout is not None
         remote_ids = spec.params.remote_block_ids
         assert remote_ids is not None, "a pull needs the producer's block ids"
         src = list(remote_ids[spec.first_block : spec.first_block + len(spec.local_block_ids)])
         dst = list(spec.local_block_ids)
-        return [
-            BlockCopy(kv_region_name(layer, kind), src, dst)
-            for layer in range(self._num_layers)
-            for kind in ("k", "v")
-        ]
+        pulls = []
+        for rank in sorted({piece.producer_rank for piece in peer.slices}):
+            stage = None if peer.direct else self._stage_prefix(rank, peer.layout)
+            copies = [
+                BlockCopy(
+                    kv_region_name(layer, kind),
+                    src,
+                    dst,
+                    local_region=None if stage is None else f"{stage}{kv_region_name(layer, kind)}",
+                )
+                for layer in range(self._num_layers)
+                for kind in ("k", "v")
+            ]
+            pulls.append((peer.rank_descriptors[rank], copies))
+        return pulls
+
+    def _stage_prefix(self, rank: int, layout: KVLayout) -> str:
+        """The staging regions for whole blocks of producer rank `rank` (allocated and
+        registered on first use: as many blocks as the cache, since a load stages into its own
+        block ids, which no other load in flight holds)."""
+        heads = len(layout.heads_of(rank))
+        prefix = f"stage.{rank}x{heads}."
+        if (rank, heads) not in self._stages:
+            tensors = []
+            for layer, cache in enumerate(self._kv_caches):
+                _, num_blocks, block_size, _, head_size = cache.shape
+                shape = (2, num_blocks, block_size, heads, head_size)
+                stage = torch.zeros(shape, dtype=cache.dtype, device=cache.device)
+                for index, kind in enumerate(("k", "v")):
+                    name = f"{prefix}{kv_region_name(layer, kind)}"
+                    self.transport.register_region(name, stage[index], layer=layer)
+                tensors.append(stage)
+            self._stages[(rank, heads)] = tensors
+        return prefix
+
+    def _unstage(self, load: _Load) -> None:
+        """Copy this rank's head slices from the staged producer blocks into its own blocks
+        (between steps, on the thread that runs the forward pass)."""
+        peer = load.peer
+        assert peer is not None and peer.layout is not None
+        blocks = torch.tensor(load.spec.local_block_ids, dtype=torch.long)
+        for piece in peer.slices:
+            staged = self._stages[
+                (piece.producer_rank, len(peer.layout.heads_of(piece.producer_rank)))
+            ]
+            src = slice(piece.src_start, piece.src_start + piece.count)
+            dst = slice(piece.dst_start, piece.dst_start + piece.count)
+            for cache, stage in zip(self._kv_caches, staged, strict=True):
+                blocks_here = blocks.to(cache.device)
+                cache[:, blocks_here, :, dst] = stage[:, blocks_here, :, src]
 
     def _request_push(self, load: _Load) -> None:
         assert load.peer is not None
@@ -654,6 +863,8 @@ class P2PConnectorWorker:
     # -- producer ------------------------------------------------------------------------------
 
     def _hold(self, spec: HoldSpec, now: float) -> None:
+        if self.ranks.rank != 0:
+            return  # the driver holds the lease for every rank (the blocks are the engine's)
         with self._lock:
             self._held[spec.key] = _Held(spec.request_id, spec.block_ids, spec.num_tokens)
             self.leases.grant(spec.key, now)

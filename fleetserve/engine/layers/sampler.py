@@ -352,7 +352,14 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
     logits = logits - metadata.frequency_penalties.unsqueeze(1) * output_counts
-    return logits - metadata.presence_penalties.unsqueeze(1) * (output_counts > 0).float()
+    logits = logits - metadata.presence_penalties.unsqueeze(1) * (output_counts > 0).float()
+    # NOTE: an extreme (valid) penalty, e.g. repetition_penalty=5e-324, overflows positive
+    # logits to +inf; two of them make the softmax NaN and the draw lands anywhere, even on a
+    # token the grammar masked (the HTTP fuzzer found it). Overflow becomes the largest float,
+    # NaN a masked token; a masked -inf stays -inf.
+    return torch.nan_to_num(
+        logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf")
+    )
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

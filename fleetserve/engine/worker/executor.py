@@ -4,14 +4,16 @@
 `distributed_executor_backend`: `UniProcExecutor` ('uni': one worker, called directly in this
 process) or `MultiprocExecutor` ('mp': one worker process per rank, in
 `multiproc_executor.py`). Both implement the same methods: `initialize` and `shutdown` once,
-`execute_model` per step, `collective_rpc` for anything every rank must run (weight reloads,
-EPLB's expert rearrangement between steps, ...), and `check_health`, which the engine core calls
-between steps so that a dead worker ends the engine even while it is idle.
+`execute_model` per step (or `execute_model_async`, which returns a `StepFuture`, so that up to
+`max_concurrent_batches` steps are in flight), `collective_rpc` for anything every rank must run
+(weight reloads, EPLB's expert rearrangement between steps, ...), and `check_health`, which the
+engine core calls between steps so that a dead worker ends the engine even while it is idle.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig, ParallelConfig
@@ -22,6 +24,44 @@ from fleetserve.engine.worker.worker import Worker
 class ExecutorDeadError(RuntimeError):
     """A worker died, hung or diverged from its peers: the executor cannot run another step
     (no request-level recovery applies; the engine must end)."""
+
+
+class StepFuture:
+    """The pending result of one step submitted with `Executor.execute_model_async`.
+
+    `result()` blocks until the step's output is back (bounded by the executor's liveness
+    checks: a dead worker raises `ExecutorDeadError`, never a hang) and caches it, or its error.
+    Results must be taken in submission order (every stage runs steps in that order).
+    """
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        self._wait: Callable[[], ModelRunnerOutput] | None = wait
+        self._output: ModelRunnerOutput | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def completed(cls, output: ModelRunnerOutput) -> StepFuture:
+        future = cls(lambda: output)
+        future.result()
+        return future
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output.
+
+        Raises:
+            ExecutorDeadError: a worker died (or hung) before the step's output came back.
+            Exception: the step's own error (e.g. `WorkerError`), raised again on each call.
+        """
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            try:
+                self._output = wait()
+            except Exception as error:
+                self._error = error
+        if self._error is not None:
+            raise self._error
+        assert self._output is not None
+        return self._output
 
 
 class Executor(ABC):
@@ -81,6 +121,21 @@ class Executor(ABC):
         Side effects:
             every worker's persistent batch, KV caches and seeded generators advance by the step.
         """
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps that may be in flight at once (`execute_model_async` before the oldest result
+        is taken); 1 when execution is synchronous."""
+        return 1
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Submit one step without waiting for it (see `execute_model`); at most
+        `max_concurrent_batches` may be pending, and their results are taken oldest first.
+
+        The base implementation runs the step now (the in-process executor has nothing to
+        overlap), so its errors raise here; a pipelined executor raises them from `result()`.
+        """
+        return StepFuture.completed(self.execute_model(scheduler_output))
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

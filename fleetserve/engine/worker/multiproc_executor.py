@@ -3,8 +3,12 @@
 Control path (seed notes part 1 §2.14): each call is pickled once and the same bytes are pushed
 to every rank over its own local ZMQ socket (ipc); the results come back on one shared socket,
 and for `execute_model` only the driver's does (the rank whose `ModelRunnerOutput` the engine
-uses: TP rank 0 of the last pipeline stage). Tensors never travel here: the ranks exchange them
-among themselves over torch.distributed (`fleetserve.engine.distributed`).
+uses: TP rank 0 of the last pipeline stage). With more than one pipeline stage, steps may be
+submitted without waiting (`execute_model_async`, up to `pipeline_parallel_size` in flight):
+each rank takes its calls in order, so while the last stage computes step N the first stage
+computes step N + 1, and the driver's replies come back in submission order. Tensors never
+travel here: the ranks exchange them among themselves over torch.distributed
+(`fleetserve.engine.distributed`).
 
 Multi-pod groups (`fleetserve.engine.distributed.pod_group`): on the leader pod the executor
 starts only the leader's ranks; the others' calls and replies travel over TCP sockets the leader
@@ -12,11 +16,13 @@ binds at its pod IP, whose ZMQ heartbeats and disconnect events make a lost pod 
 (`remote_ranks`) within seconds, as a local worker's exit is.
 
 Failure: every wait is a poll of at most `POLL_S` followed by a liveness check of every worker
-process, plus an overall bound per call; a worker that exits, a call that outlives its bound or
-a non-driver rank that fails a step (the ranks' states have diverged) raise
-`ExecutorDeadError`, after which the executor kills the remaining workers and refuses every
-call. A driver's error in a step is raised as `WorkerError`, so the engine's step isolation can
-retry its requests (every rank samples the same logits, so they fail alike).
+process, plus an overall bound per call (a pending step's `StepFuture.result()` is such a wait);
+a worker that exits, a call that outlives its bound or a non-driver rank that fails a step (the
+ranks' states have diverged; under pipeline parallelism a stage before the last that fails also
+leaves the later stages waiting for its tensors) raise `ExecutorDeadError`, after which the
+executor kills the remaining workers and refuses every call. A driver's error in a step is
+raised as `WorkerError`, so the engine's step isolation can retry its requests (every rank
+samples the same logits, so they fail alike).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import zmq
@@ -41,7 +48,12 @@ from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.distributed.parallel_state import layout_of
 from fleetserve.engine.distributed.pod_group import CONTROL_PORT, pod_group
 from fleetserve.engine.distributed.remote_ranks import RemoteRanks, heartbeats
-from fleetserve.engine.worker.executor import Executor, ExecutorDeadError, check_worker_method
+from fleetserve.engine.worker.executor import (
+    Executor,
+    ExecutorDeadError,
+    StepFuture,
+    check_worker_method,
+)
 from fleetserve.envs import Env, read_env
 
 __all__ = ["MultiprocExecutor", "WorkerError", "worker_argv"]
@@ -103,6 +115,12 @@ class MultiprocExecutor(Executor):
         self.world_size = layout.world_size
         self.driver_rank = layout.pipeline[0][-1]
         """TP rank 0 of the last stage: it samples with every stage's work done."""
+        self._last_stage_ranks = {group[-1] for group in layout.pipeline}
+        """Ranks whose failure in a step leaves no other rank waiting for their tensors."""
+        self._pending_steps: deque[int] = deque()
+        """Call ids of the submitted steps whose result was not taken yet, oldest first."""
+        self._early_replies: dict[int, tuple[bool, Any]] = {}
+        """The driver's replies to pending steps that arrived while another call was awaited."""
         group = pod_group(read_env() if env is None else env, self.world_size)
         if group is not None and not group.is_leader:
             raise ValueError(
@@ -180,10 +198,33 @@ class MultiprocExecutor(Executor):
 
     # -- calls ---------------------------------------------------------------------------------
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        if len(self._pending_steps) >= self.max_concurrent_batches:
+            raise RuntimeError(
+                f"{len(self._pending_steps)} steps already in flight "
+                f"(max_concurrent_batches={self.max_concurrent_batches})"
+            )
         call_id = self._broadcast("execute_model", (scheduler_output,), {})
-        replies = self._wait(call_id, {self.driver_rank}, STEP_TIMEOUT_S)
-        ok, result = replies[self.driver_rank]
+        self._pending_steps.append(call_id)
+        return StepFuture(lambda: self._step_result(call_id))
+
+    def _step_result(self, call_id: int) -> ModelRunnerOutput:
+        """Wait for the driver's output of step `call_id` (the oldest pending one)."""
+        assert self._pending_steps[0] == call_id, "step results must be taken oldest first"
+        try:
+            reply = self._early_replies.pop(call_id, None)
+            if reply is None:
+                reply = self._wait(call_id, {self.driver_rank}, STEP_TIMEOUT_S)[self.driver_rank]
+        finally:
+            self._pending_steps.popleft()
+        ok, result = reply
         if not ok:
             self._failed_step_calls.add(call_id)
             # NOTE: a peer's death surfaces first as the driver's failed collective; report the
@@ -260,8 +301,13 @@ class MultiprocExecutor(Executor):
             if reply_id == call_id:
                 if rank in ranks:
                     replies[rank] = (ok, result)
+                elif not ok and rank not in self._last_stage_ranks:
+                    # NOTE: the later stages wait for this stage's tensors of the step forever.
+                    self._diverged(rank, result)
                 elif not ok:
                     others[rank] = result
+            elif rank == self.driver_rank and reply_id in self._pending_steps:
+                self._early_replies[reply_id] = (ok, result)
             elif not ok and reply_id not in self._failed_step_calls:
                 self._diverged(rank, result)
         if others and all(ok for ok, _ in replies.values()):
@@ -271,7 +317,10 @@ class MultiprocExecutor(Executor):
 
     def _diverged(self, rank: int, error: str) -> None:
         # NOTE: a non-driver rank failed a step its driver passed: the ranks' states
-        # (persistent batch, KV) no longer agree, and no retry can mend that.
+        # (persistent batch, KV) no longer agree, and no retry can mend that. A peer's death
+        # surfaces first as this rank's failed send or collective: report the death then.
+        time.sleep(POLL_S)
+        self.check_health()
         self._die(f"worker rank {rank} failed a step alone: {error}")
         self.check_health()
 

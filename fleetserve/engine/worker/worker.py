@@ -134,8 +134,10 @@ class Worker:
             )
         if self.config.kv_transfer is not None:
             from fleetserve.engine.kv_transfer.factory import create_worker_role
+            from fleetserve.engine.kv_transfer.rank_group import TensorRanks
 
-            self.kv_connector = create_worker_role(self.config)
+            ranks = None if tp_group is None else TensorRanks(tp_group)
+            self.kv_connector = create_worker_role(self.config, ranks)
 
     def load_model(self) -> None:
         self.model_runner.load_model()

@@ -7,7 +7,9 @@ Each request is one pickled `(call_id, method, args, kwargs)` (the executor seri
 `SchedulerOutput` once and sends the same bytes to every rank); the reply is a pickled
 `(rank, call_id, ok, result)`, where `result` is the error text when `ok` is False. Every rank
 replies to every call except `execute_model`, where only the driver (the rank whose output the
-engine uses) replies on success: the others reply only when they fail. The process exits on a
+engine uses) replies on success: the others reply only when they fail. Calls are taken one at
+a time in arrival order, which is what lets pipeline stages overlap: a stage takes step N + 1
+while the next stage still computes step N (see `distributed.pipeline`). The process exits on a
 `None` method (shutdown), and within `PARENT_POLL_S` of its parent's death (it never outlives
 the engine core).
 """

@@ -188,3 +188,22 @@ def test_n_sequences_share_one_compile_and_each_follows_the_grammar(tiny_llama: 
         assert re.fullmatch(r"[e-h]{2,6}z", completion.text), completion.text
     manager = llm.engine_core.scheduler.structured_output.manager
     assert manager is not None and manager.num_compiles == 1
+
+
+def test_an_extreme_penalty_never_draws_a_masked_token(tiny_llama: Path) -> None:
+    # Found by the HTTP fuzzer: repetition_penalty=5e-324 overflowed the logits of repeated
+    # tokens to +inf, the softmax went NaN and the draw picked token 0, which the grammar had
+    # masked: the request failed as an engine error (500).
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256)
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=i,
+            max_tokens=20,
+            repetition_penalty=5e-324,
+            structured_outputs=constrained(regex=REGEX),
+        )
+        for i, t in enumerate([1.0, 0.0, 1.0, 1.0])
+    ]
+    for output in llm.generate(prompts(4, 30), params):
+        assert re.fullmatch(REGEX, output.outputs[0].text), output.outputs[0].text

@@ -242,11 +242,19 @@ def _field(data: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy `src_block_ids[i]` to `dst_block_ids[i]` within the region named `region` (the
-    same name on both engines). For a pull the source is the peer, for a push it is local."""
+    same name on both engines unless `local_region` names the local one). For a pull the
+    source is the peer, for a push it is local."""
 
     region: str
     src_block_ids: Sequence[int]
     dst_block_ids: Sequence[int]
+    local_region: str | None = None
+    """The local region when it is named differently (a consumer's staging buffer for a
+    peer's head slice); None: `region` on both engines."""
+
+    @property
+    def local_name(self) -> str:
+        return self.region if self.local_region is None else self.local_region
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):

@@ -220,10 +220,10 @@ def plan_transfer(
     runs: list[Run] = []
     destinations: dict[str, list[Sequence[int]]] = {}
     for copy in copies:
-        local = regions.get(copy.region)
+        local = regions.get(copy.local_name)
         if local is None:
             known = ", ".join(list(regions)[:8])
-            raise ValueError(f"no local region {copy.region!r} (registered: {known or 'none'})")
+            raise ValueError(f"no local region {copy.local_name!r} (registered: {known or 'none'})")
         remote_index = peer.region_index(copy.region)
         remote = peer.regions[remote_index]
         if remote.block_bytes != local.block_bytes or remote.layer != local.layer:
@@ -236,7 +236,9 @@ def plan_transfer(
             if direction == "pull"
             else (local.num_blocks, remote.num_blocks)
         )
-        destinations.setdefault(copy.region, []).append(copy.dst_block_ids)
+        destinations.setdefault(copy.local_name if direction == "pull" else copy.region, []).append(
+            copy.dst_block_ids
+        )
         contiguous = local.contiguous and remote.block_stride == remote.block_bytes
         n = len(copy.src_block_ids)
         s0 = _consecutive(copy.src_block_ids) if contiguous else None
