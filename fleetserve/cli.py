@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(bench_parser)
         bench_parser.set_defaults(func=module.run_from_args)
 
+    diag = sub.add_parser("diag", help="self-tests of a pod or a group")
+    diag_sub = diag.add_subparsers(dest="diag_command", required=True)
+    from fleetserve.engine.distributed import diag_comm
+
+    comm = diag_sub.add_parser(
+        "comm", help="layered communication self-test: device backend, gloo, shm, CUDA graph"
+    )
+    diag_comm.add_arguments(comm)
+    comm.set_defaults(func=diag_comm.run_from_args)
+
     from fleetserve.server.cli import register as register_serve
 
     register_serve(sub)

@@ -44,11 +44,20 @@ class Env:
     pod_ip: str | None = None
     """The pod's IP (rendered by the operator from `status.podIP`; the engine binds it)."""
     rank: int | None = None
-    """This pod's index in its replica group (pod 0 leads); rendered by the operator."""
+    """This pod's index in its replica group (pod 0 leads); rendered by the operator. The pod
+    runs the global ranks [rank × world_size / group_size, (rank + 1) × world_size / group_size)."""
     world_size: int | None = None
     """Ranks in this pod's replica group (tensor × pipeline × data); rendered by the operator."""
+    group_size: int | None = None
+    """Pods in this pod's replica group (`fleetserve.api.topology.group_size`); rendered by the
+    operator. Above 1, pod 0 serves and drives, the others run workers only."""
+    comm_check: int | None = None
+    """1: before a pod of a multi-rank engine serves (or starts its workers), run the layered
+    communication self-test (`fleetserve diag comm`) over its ranks of the group; a failing
+    layer ends the pod with the layer and its likely cause in the log."""
     leader_address: str | None = None
-    """DNS name of the group's pod 0, where the other ranks join its process group."""
+    """Address of the group's pod 0 (its DNS name on a cluster), where the other pods join its
+    process group."""
 
     @property
     def cache_root(self) -> Path:
@@ -107,8 +116,11 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
             sorted(declared),
         )
     env = Env(**values)
-    for name, value in (("rank", env.rank), ("world_size", env.world_size)):
-        if value is not None and value < (1 if name == "world_size" else 0):
-            bound = ">= 1" if name == "world_size" else ">= 0"
-            raise ValueError(f"{env_name(name)} must be {bound}, got {value}")
+    for name, value, low in (
+        ("rank", env.rank, 0),
+        ("world_size", env.world_size, 1),
+        ("group_size", env.group_size, 1),
+    ):
+        if value is not None and value < low:
+            raise ValueError(f"{env_name(name)} must be >= {low}, got {value}")
     return env

@@ -48,7 +48,7 @@ from fleetserve.devcluster.pki import write_kubeconfig
 from fleetserve.devcluster.pod_launch import build_launch
 from fleetserve.devcluster.pod_records import save_pod_records
 from fleetserve.devcluster.pod_runtime import PodRuntime
-from fleetserve.devcluster.podspec import Lookup
+from fleetserve.devcluster.podspec import Lookup, PodIP
 
 __all__ = ["AgentConfig", "LocalNodeAgent", "main"]
 
@@ -158,6 +158,23 @@ class LocalNodeAgent:
 
         return lookup
 
+    def _pod_ip_lookup(self, starting: Mapping[str, Any]) -> PodIP:
+        """Pod DNS records of this node's running pods (and of the pod being started) → IPs:
+        what cluster DNS would answer for `<hostname>.<subdomain>.<namespace>.svc`."""
+
+        def lookup(namespace: str, hostname: str, subdomain: str) -> str | None:
+            meta, spec = starting["metadata"], starting["spec"]
+            if (namespace, hostname, subdomain) == (
+                meta["namespace"], spec.get("hostname", meta["name"]), spec.get("subdomain"),
+            ):  # fmt: skip
+                return str(starting["status"]["podIP"])
+            for uid, (ns, name) in self.names.items():
+                if (ns, name) == (namespace, hostname) and not self.pods[uid].is_terminating:
+                    return self.pods[uid].ip
+            return None
+
+        return lookup
+
     def _pod_kubeconfig(self, pod: dict[str, Any], pod_dir: Path) -> Path | None:
         """A kubeconfig with a pod-bound token of the pod's ServiceAccount (as the kubelet mounts)."""
         spec, meta = pod["spec"], pod["metadata"]
@@ -200,6 +217,7 @@ class LocalNodeAgent:
             launch = build_launch(
                 pod, pod_dir=pod_dir, logs_dir=self.cfg.logs_dir, base_env=env,
                 configmap=self._lookup("configmap"), secret=self._lookup("secret"),
+                pod_ip=self._pod_ip_lookup(pod),
             )  # fmt: skip
         except (ValueError, LookupError) as e:
             self.ips.release(ip)

@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetserve.devcluster.podspec import (
     Lookup,
+    PodIP,
     Probe,
     build_env,
     expand_vars,
@@ -80,12 +81,13 @@ def _container_launch(
     base_env: Mapping[str, str],
     configmap: Lookup,
     secret: Lookup,
+    pod_ip: PodIP | None,
 ) -> ContainerLaunch:
     if not c.get("command"):
         raise ValueError(f"container {c['name']!r} has no command; the local node ignores images")
     meta = pod["metadata"]
     mounts = mount_table(c, volumes)
-    env = build_env(pod, c, base=base_env, configmap=configmap, secret=secret)
+    env = build_env(pod, c, base=base_env, configmap=configmap, secret=secret, pod_ip=pod_ip)
     env = {k: rewrite_paths(v, mounts) for k, v in env.items()}
     argv = [rewrite_paths(expand_vars(a, env), mounts) for a in [*c["command"], *c.get("args", [])]]
     cwd = Path(rewrite_paths(c["workingDir"], mounts)) if c.get("workingDir") else pod_dir
@@ -110,19 +112,23 @@ def build_launch(
     base_env: Mapping[str, str],
     configmap: Lookup,
     secret: Lookup,
+    pod_ip: PodIP | None = None,
 ) -> PodLaunch:
     """Translate the pod's init containers and containers; write its volumes under `pod_dir`.
+
+    `pod_ip` resolves env values that are pod DNS records (`podspec.build_env`).
 
     Raises:
         ValueError: a container has no `command` (the image's entrypoint is unknown here) or an
             unsupported probe/fieldRef.
-        LookupError: a referenced ConfigMap/Secret is missing (the agent retries).
+        LookupError: a referenced ConfigMap/Secret is missing, or a pod named by its DNS record
+            has no IP yet (the agent retries).
     """
     volumes = map_volumes(pod, pod_dir)
     _write_volumes(pod, volumes, configmap, secret)
     make = functools.partial(
         _container_launch, pod, volumes=volumes, pod_dir=pod_dir, logs_dir=logs_dir,
-        base_env=base_env, configmap=configmap, secret=secret,
+        base_env=base_env, configmap=configmap, secret=secret, pod_ip=pod_ip,
     )  # fmt: skip
     spec = pod["spec"]
     return PodLaunch(

@@ -21,6 +21,7 @@ __all__ = [
     "map_volumes",
     "mount_table",
     "parse_probe",
+    "pod_dns_name",
     "pod_phase",
     "restart_backoff_s",
     "rewrite_paths",
@@ -32,6 +33,11 @@ Pod = Mapping[str, Any]
 Lookup = Callable[[str, str], Mapping[str, str] | None]
 """(namespace, name) -> data of a ConfigMap/Secret (Secret values already decoded), or None."""
 
+PodIP = Callable[[str, str, str], str | None]
+"""(namespace, hostname, subdomain) -> the IP of that pod on this node, or None (not running)."""
+
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_POD_DNS = re.compile(rf"^({_LABEL})\.({_LABEL})\.({_LABEL})\.svc(?:\.cluster\.local)?$")
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 _LABEL_REF = re.compile(r"^metadata\.(labels|annotations)\['(.+)'\]$")
 
@@ -46,6 +52,14 @@ def expand_vars(text: str, env: Mapping[str, str]) -> str:
         return env.get(name, m.group(0))
 
     return _VAR.sub(sub, text)
+
+
+def pod_dns_name(value: str) -> tuple[str, str, str] | None:
+    """(namespace, hostname, subdomain) when `value` is a pod's DNS record under a headless
+    Service, `<hostname>.<subdomain>.<namespace>.svc[.cluster.local]` (e.g. a StatefulSet pod's
+    `eng-0.eng.ns.svc`), else None."""
+    m = _POD_DNS.match(value)
+    return None if m is None else (m.group(3), m.group(1), m.group(2))
 
 
 def field_ref_value(pod: Pod, field_path: str) -> str:
@@ -90,10 +104,13 @@ def build_env(
     base: Mapping[str, str],
     configmap: Lookup,
     secret: Lookup,
+    pod_ip: PodIP | None = None,
 ) -> dict[str, str]:
     """The environment of `container`: `base`, then `envFrom`, then `env` in order, then POD_IP.
 
     `pod` must already carry `status.podIP`. Values may reference earlier variables as `$(NAME)`.
+    With `pod_ip`, the local node's stand-in for cluster DNS (which it lacks): an `env` value
+    that is exactly a pod's DNS record (`pod_dns_name`) becomes that pod's IP.
 
     Raises:
         LookupError: a referenced ConfigMap/Secret (or key) is missing and not optional.
@@ -111,7 +128,7 @@ def build_env(
     for var in container.get("env", []):
         name = var["name"]
         if "value" in var or "valueFrom" not in var:
-            env[name] = expand_vars(var.get("value", ""), env)
+            env[name] = _resolve_pod_dns(name, expand_vars(var.get("value", ""), env), pod_ip)
             continue
         source = var["valueFrom"]
         if "fieldRef" in source:
@@ -127,6 +144,16 @@ def build_env(
         # NOTE: resourceFieldRef (limits/requests) is not resolved; such variables stay unset.
     env["POD_IP"] = pod.get("status", {}).get("podIP", "")
     return env
+
+
+def _resolve_pod_dns(name: str, value: str, pod_ip: PodIP | None) -> str:
+    record = pod_dns_name(value) if pod_ip is not None else None
+    if record is None or pod_ip is None:
+        return value
+    ip = pod_ip(*record)
+    if ip is None:
+        raise LookupError(f"{name}: pod {record[1]!r} of {value} has no IP yet")
+    return ip
 
 
 def map_volumes(pod: Pod, pod_dir: Path) -> dict[str, Path]:

@@ -20,6 +20,7 @@ from fleetserve.api.labels import (
     LABEL_COMPAT,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
+    LABEL_POD_INDEX,
     LABEL_ROLE,
     ROUTER_ROLE,
     role_selector,
@@ -257,7 +258,9 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
     present = {name for name, _ in spec.roles.items()}
 
     def selector(role: str) -> str | None:
-        return role_selector(owner.name, role) if role in present else None
+        # NOTE: only a group's pod 0 serves; the other pods of a multi-pod group run workers.
+        leaders = f"{role_selector(owner.name, role)},{LABEL_POD_INDEX}=0"
+        return leaders if role in present else None
 
     return RouterConfig(
         shutdown_delay_s=ROUTER_SHUTDOWN_DELAY_S,

@@ -168,7 +168,8 @@ def engine_env(spec: InferenceDeploymentSpec, role: Role, leader: str) -> list[d
     """Env of every pod in a group (the transport's last), then the user's `engine.env`.
 
     The pod's rank is its StatefulSet pod index (pod 0 leads); the world size counts every rank
-    of the group (tensor × pipeline × data).
+    of the group (tensor × pipeline × data), the group size its pods, so each pod knows which
+    ranks it runs (`fleetserve.engine.distributed.pod_group`).
     """
     env: list[dict[str, Any]] = [
         {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -177,6 +178,7 @@ def engine_env(spec: InferenceDeploymentSpec, role: Role, leader: str) -> list[d
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']"}},
         },
         {"name": env_name("world_size"), "value": str(role.world_size)},
+        {"name": env_name("group_size"), "value": str(role.group_size)},
         {"name": env_name("leader_address"), "value": leader},
         *transfer_env(spec),
     ]

@@ -68,11 +68,21 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Serve until interrupted (SIGINT/SIGTERM shut the engine core down cleanly)."""
+    """Serve until interrupted (SIGINT/SIGTERM shut the engine core down cleanly).
+
+    On a follower pod of a multi-pod group (the env the operator renders says so), run this
+    pod's ranks instead (`fleetserve.engine.distributed.follower`): only pod 0 serves.
+    """
     from aiohttp import web
 
     from fleetserve.server.app import create_app
 
+    failed = _comm_check(args)
+    if failed:
+        return failed
+    follower = _follower_exit_code(args)
+    if follower is not None:
+        return follower
     config = build_server_config(args)
     logger.info("serving %s as %r on http://%s:%d", config.engine.model.model,
                 config.served_model_name, args.host, args.port)  # fmt: skip
@@ -87,3 +97,63 @@ def run_from_args(args: argparse.Namespace) -> int:
         print=None,
     )
     return 0
+
+
+COMM_CHECK_TIMEOUT_S = 60.0
+"""Per layer of the start-up self-test (the group's pods start within about this of each other)."""
+
+
+def _comm_check(args: argparse.Namespace) -> int:
+    """With FLEETSERVE_COMM_CHECK=1 and several ranks, the layered self-test over this pod's
+    ranks (`diag_comm`); 0 when it passed (or does not apply), else 1 after logging the failure."""
+    from fleetserve.engine.distributed.diag_comm import diagnose, first_failure, group_ranks
+    from fleetserve.envs import read_env
+
+    env = read_env()
+    engine_args = EngineArgs.from_cli_args(args)
+    world = (
+        engine_args.tensor_parallel_size
+        * engine_args.pipeline_parallel_size
+        * engine_args.data_parallel_size
+    )
+    if not env.comm_check or world == 1:
+        return 0
+    ranks, init_method = group_ranks(env, world)
+    device = engine_args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = diagnose(ranks, world, init_method, device, COMM_CHECK_TIMEOUT_S)
+    failure = first_failure(results)
+    if failure is not None:
+        logger.error(
+            "communication self-test failed at layer %r (rank %d): %s; likely cause: %s",
+            failure.layer, failure.rank, failure.detail, failure.cause,
+        )  # fmt: skip
+        return 1
+    layers = sorted({f"{r.layer}: {r.status}" for r in results})
+    logger.info("communication self-test of ranks %s passed (%s)", ranks, ", ".join(layers))
+    return 0
+
+
+def _follower_exit_code(args: argparse.Namespace) -> int | None:
+    """Run this pod as a follower of its group if it is one (its exit code), else None."""
+    from fleetserve.engine.distributed.pod_group import pod_group
+    from fleetserve.envs import read_env
+
+    env = read_env()
+    engine_args = EngineArgs.from_cli_args(args)
+    world = (
+        engine_args.tensor_parallel_size
+        * engine_args.pipeline_parallel_size
+        * engine_args.data_parallel_size
+    )
+    group = pod_group(env, world)
+    if group is None or group.is_leader:
+        return None
+    from fleetserve.engine.distributed.follower import run_follower
+
+    return run_follower(
+        engine_args.create_engine_config(env), group, host=args.host, port=args.port
+    )

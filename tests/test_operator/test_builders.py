@@ -34,6 +34,7 @@ ENV_NAMES = [
     "FLEETSERVE_POD_IP",
     "FLEETSERVE_RANK",
     "FLEETSERVE_WORLD_SIZE",
+    "FLEETSERVE_GROUP_SIZE",
     "FLEETSERVE_LEADER_ADDRESS",
 ]
 POD_INDEX = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
@@ -176,6 +177,7 @@ def test_multinode_decode_group_and_layout() -> None:
     c = _container(sts)
     env = _env(c)
     assert env["FLEETSERVE_WORLD_SIZE"] == "16"
+    assert env["FLEETSERVE_GROUP_SIZE"] == "2"
     assert env["FLEETSERVE_RANK"] == POD_INDEX
     assert env["FLEETSERVE_LEADER_ADDRESS"] == "d-decode-0-0.d-decode-0.ns.svc"
     i = c["args"].index("--tensor-parallel-size")
@@ -345,7 +347,11 @@ def test_router_args_are_its_config(sample: str) -> None:
     }
     present = {name for name, _ in spec.roles.items()}
     for role, selector in selectors.items():
-        want = f"fleetserve.io/deployment=d,fleetserve.io/role={role}" if role in present else None
+        want = (
+            f"fleetserve.io/deployment=d,fleetserve.io/role={role},apps.kubernetes.io/pod-index=0"
+            if role in present
+            else None
+        )
         assert selector == want
 
 

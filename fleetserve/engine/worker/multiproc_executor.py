@@ -10,6 +10,11 @@ computes step N + 1, and the driver's replies come back in submission order. Ten
 travel here: the ranks exchange them among themselves over torch.distributed
 (`fleetserve.engine.distributed`).
 
+Multi-pod groups (`fleetserve.engine.distributed.pod_group`): on the leader pod the executor
+starts only the leader's ranks; the others' calls and replies travel over TCP sockets the leader
+binds at its pod IP, whose ZMQ heartbeats and disconnect events make a lost pod a dead worker
+(`remote_ranks`) within seconds, as a local worker's exit is.
+
 Failure: every wait is a poll of at most `POLL_S` followed by a liveness check of every worker
 process, plus an overall bound per call (a pending step's `StepFuture.result()` is such a wait);
 a worker that exits, a call that outlives its bound or a non-driver rank that fails a step (the
@@ -22,6 +27,7 @@ samples the same logits, so they fail alike).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -40,14 +46,17 @@ import zmq
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.distributed.parallel_state import layout_of
+from fleetserve.engine.distributed.pod_group import CONTROL_PORT, pod_group
+from fleetserve.engine.distributed.remote_ranks import RemoteRanks, heartbeats
 from fleetserve.engine.worker.executor import (
     Executor,
     ExecutorDeadError,
     StepFuture,
     check_worker_method,
 )
+from fleetserve.envs import Env, read_env
 
-__all__ = ["MultiprocExecutor", "WorkerError"]
+__all__ = ["MultiprocExecutor", "WorkerError", "worker_argv"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +82,23 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def worker_argv(
+    *, rank: int, driver_rank: int, config_path: str, requests: str, results: str, init_method: str
+) -> list[str]:
+    """The command line of one rank's worker process (`worker_proc`), child of this process."""
+    flags = {
+        "--rank": str(rank),
+        "--driver-rank": str(driver_rank),
+        "--config": config_path,
+        "--requests": requests,
+        "--results": results,
+        "--init-method": init_method,
+        "--parent-pid": str(os.getpid()),
+    }
+    argv = [sys.executable, "-m", "fleetserve.engine.worker.worker_proc"]
+    return argv + [part for flag, value in flags.items() for part in (flag, value)]
+
+
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -83,7 +109,7 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
 class MultiprocExecutor(Executor):
     """Spawns `world_size` worker processes (`worker_proc`) on this host and drives them."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, env: Env | None = None) -> None:
         super().__init__(config)
         layout = layout_of(config.parallel)
         self.world_size = layout.world_size
@@ -95,6 +121,15 @@ class MultiprocExecutor(Executor):
         """Call ids of the submitted steps whose result was not taken yet, oldest first."""
         self._early_replies: dict[int, tuple[bool, Any]] = {}
         """The driver's replies to pending steps that arrived while another call was awaited."""
+        group = pod_group(read_env() if env is None else env, self.world_size)
+        if group is not None and not group.is_leader:
+            raise ValueError(
+                f"pod {group.pod_index} of a multi-pod group runs workers only; only pod 0 "
+                "runs the executor (fleetserve.engine.distributed.follower)"
+            )
+        self.group = group
+        """The multi-pod group this leader drives (None: every rank runs on this host)."""
+        local = list(range(self.world_size) if group is None else group.local_ranks)
         self._dead_reason: str | None = None
         self._call_id = 0
         self._failed_step_calls: set[int] = set()
@@ -103,47 +138,63 @@ class MultiprocExecutor(Executor):
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(f"ipc://{self._dir}/results")
         self._requests: list[zmq.Socket[bytes]] = []
+        self._remote: RemoteRanks | None = None
+        if group is not None:
+            heartbeats(self._results)
+            self._results.bind(group.bind_endpoint(CONTROL_PORT))
         for rank in range(self.world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"ipc://{self._dir}/rank{rank}")
+            if rank in local:
+                sock.bind(f"ipc://{self._dir}/rank{rank}")
+            else:
+                assert group is not None
+                heartbeats(sock)
+                sock.bind(group.bind_endpoint(CONTROL_PORT + 1 + rank))
             self._requests.append(sock)
+        if group is not None:
+            self._remote = RemoteRanks(
+                {r: self._requests[r] for r in range(self.world_size) if r not in local},
+                group,
+            )
         config_path = f"{self._dir}/config.pkl"
         with open(config_path, "wb") as f:
             pickle.dump(config, f, protocol=5)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._procs = [
-            subprocess.Popen(self._worker_argv(rank, config_path, init_method))
-            for rank in range(self.world_size)
-        ]
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if group is None else group.init_method
+        self._procs = {
+            rank: subprocess.Popen(self._worker_argv(rank, config_path, init_method))
+            for rank in local
+        }
+        """This host's worker processes by rank (a multi-pod group's others run elsewhere)."""
         # NOTE: an engine dropped without shutdown() (the offline LLM) must not leave its
         # workers waiting out their parent poll.
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs.values()))
         logger.info(
-            "started %d worker processes %s (driver rank %d)",
-            self.world_size,
-            [p.pid for p in self._procs],
+            "started %d worker processes %s (driver rank %d%s)",
+            len(self._procs),
+            [p.pid for p in self._procs.values()],
             self.driver_rank,
+            ""
+            if group is None
+            else f"; ranks {sorted(set(range(self.world_size)) - set(local))}"
+            f" join from the group's other {group.num_pods - 1} pod(s) at {group.init_method}",
         )
 
     def _worker_argv(self, rank: int, config_path: str, init_method: str) -> list[str]:
-        flags = {
-            "--rank": str(rank),
-            "--driver-rank": str(self.driver_rank),
-            "--config": config_path,
-            "--requests": f"ipc://{self._dir}/rank{rank}",
-            "--results": f"ipc://{self._dir}/results",
-            "--init-method": init_method,
-            "--parent-pid": str(os.getpid()),
-        }
-        argv = [sys.executable, "-m", "fleetserve.engine.worker.worker_proc"]
-        return argv + [part for flag, value in flags.items() for part in (flag, value)]
+        return worker_argv(
+            rank=rank,
+            driver_rank=self.driver_rank,
+            config_path=config_path,
+            requests=f"ipc://{self._dir}/rank{rank}",
+            results=f"ipc://{self._dir}/results",
+            init_method=init_method,
+        )
 
     @property
     def worker_pids(self) -> list[int]:
-        """The worker processes' ids, in rank order."""
-        return [p.pid for p in self._procs]
+        """This host's worker processes' ids, in rank order."""
+        return [p.pid for _, p in sorted(self._procs.items())]
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -195,10 +246,14 @@ class MultiprocExecutor(Executor):
 
     def check_health(self) -> None:
         if self._dead_reason is None:
-            exited = [(r, p.returncode) for r, p in enumerate(self._procs) if p.poll() is not None]
+            exited = [(r, p.returncode) for r, p in self._procs.items() if p.poll() is not None]
             if exited:
                 rank, code = exited[0]
                 self._die(f"worker rank {rank} (pid {self._procs[rank].pid}) exited with {code}")
+        if self._dead_reason is None and self._remote is not None:
+            lost = self._remote.lost()
+            if lost is not None:
+                self._die(lost)
         if self._dead_reason is not None:
             raise ExecutorDeadError(self._dead_reason)
 
@@ -274,9 +329,17 @@ class MultiprocExecutor(Executor):
             return
         logger.error("executor failed: %s; stopping the workers", reason)
         self._dead_reason = reason
-        for proc in self._procs:
+        for proc in self._procs.values():
             if proc.poll() is None:
                 proc.kill()
+        if self._remote is not None:
+            # NOTE: the other pods' ranks cannot be killed from here; a stop ends them (their
+            # pods then exit), best effort: a lost pod takes none.
+            stop = pickle.dumps((0, None, (), {}), protocol=5)
+            for rank, sock in enumerate(self._requests):
+                if rank not in self._procs:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send(stop, zmq.NOBLOCK)
 
     def shutdown(self) -> None:
         """Ask every worker to exit, kill those that do not within the grace, release sockets.
@@ -286,14 +349,21 @@ class MultiprocExecutor(Executor):
         if self._ctx.closed:
             return
         stop = pickle.dumps((0, None, (), {}), protocol=5)
-        for sock, proc in zip(self._requests, self._procs, strict=True):
-            if proc.poll() is None:
+        for rank, sock in enumerate(self._requests):
+            proc = self._procs.get(rank)
+            if proc is None or proc.poll() is None:
                 try:
                     sock.send(stop, zmq.NOBLOCK)
                 except zmq.Again:
-                    proc.kill()
+                    if proc is not None:
+                        proc.kill()
+        if self._remote is not None:
+            # NOTE: give the stop messages to remote ranks a moment on the wire before the
+            # sockets close (their pods then exit instead of waiting out the leader's loss).
+            self._remote.flush(SHUTDOWN_GRACE_S / 5)
+            self._remote.close()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for proc in self._procs:
+        for proc in self._procs.values():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -301,8 +371,9 @@ class MultiprocExecutor(Executor):
                 proc.wait()
         self._dead_reason = self._dead_reason or "the executor is shut down"
         self._finalizer.detach()
-        for sock in self._requests:
-            sock.close(linger=0)
+        for rank, sock in enumerate(self._requests):
+            # NOTE: a remote rank's socket keeps the linger `RemoteRanks.flush` gave it.
+            sock.close(linger=0 if rank in self._procs else None)
         self._results.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
