@@ -28,6 +28,7 @@ from fleetserve.api.labels import (
 from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.envs import env_name
+from fleetserve.operator.placement import pack_affinity
 from fleetserve.operator.render import ENGINE_PORT, MODEL_MOUNT, engine_args, engine_env
 
 __all__ = [
@@ -194,6 +195,8 @@ def build_group_statefulset(
         pod_spec["nodeSelector"] = dict(role.node_selector)
     if role.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in role.tolerations]
+    if role.gpus_per_pod:  # partial-node pods pack, keeping whole nodes free for large groups
+        pod_spec["affinity"] = pack_affinity(owner.name, role_name)
     template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
     meta = owner.meta(name, labels)
