@@ -23,6 +23,7 @@ from fleetserve.operator.autoscale.loop import Autoscaler
 from fleetserve.operator.autoscale.metrics import AutoscalerMetrics, serve_metrics
 from fleetserve.operator.autoscale.scale_adapter import sync_role_adapters
 from fleetserve.operator.kube import Kube
+from fleetserve.operator.placement import awaits_placement
 from fleetserve.operator.reconcile import (
     live_pod,
     reconcile,
@@ -32,6 +33,7 @@ from fleetserve.operator.reconcile import (
 from fleetserve.operator.runtime import OperatorState, configure
 
 __all__ = [
+    "PLACEMENT_REQUEUE_S",
     "on_deployment_event",
     "on_inferencedeployment_event",
     "on_operator_cleanup",
@@ -40,6 +42,10 @@ __all__ = [
     "on_role_adapter_event",
     "on_statefulset_event",
 ]
+
+PLACEMENT_REQUEUE_S = 0.5
+"""How long after a pending group pod's event its deployment is reconciled (a burst of such
+events, one per pod, costs one pass)."""
 
 
 def _post_event(body: dict[str, Any], kind: str, reason: str, message: str) -> None:
@@ -209,6 +215,12 @@ def on_pod_event(event: kopf.RawEvent, memo: Any, logger: kopf.Logger, **_: Any)
         # A retry reads the pod again: once its group was recreated, the old pod is gone.
         after_restart(live_pod(_kube(state), pod))
 
+    if event["type"] != "DELETED" and awaits_placement(pod):
+        # Scheduling (bound, or Unschedulable) changes no StatefulSet status: reconcile the
+        # deployment, once for a burst of pod events.
+        ns, owner = meta["namespace"], meta["labels"][LABEL_DEPLOYMENT]
+        state.retries.later(f"requeue {ns}/{owner}", PLACEMENT_REQUEUE_S,
+                            lambda: _reconcile(state, ns, owner))  # fmt: skip
     key = f"group restart {meta['namespace']}/{meta['name']}"
     if event["type"] == "DELETED":
         state.retries.run(key, after_delete)

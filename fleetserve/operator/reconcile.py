@@ -35,6 +35,7 @@ from fleetserve.operator.diff import is_subset
 from fleetserve.operator.drain import DRAIN_POLL_S
 from fleetserve.operator.errors import SpecProblem, spec_problem
 from fleetserve.operator.kube import Kube
+from fleetserve.operator.placement import read_placement
 from fleetserve.operator.rollout import converge_groups
 from fleetserve.operator.status import (
     compute_status,
@@ -185,7 +186,12 @@ def _converge(
     # The number of groups each role should have now (the autoscaler's, once it decides).
     replicas = {name: role.replicas for name, role in spec.roles.items()}
     previous = body.get("status") or {}
-    groups = converge_groups(kube, spec, owner, live, replicas, _parse_time(now))
+    # Where the scheduler stands with the group pods: larger pods are created first, and the
+    # status names groups it cannot place (fleetserve.operator.placement).
+    placement = read_placement(kube.list("Pod", owner.namespace, f"{selector},{LABEL_GROUP}"))
+    groups = converge_groups(
+        kube, spec, owner, live, replicas, _parse_time(now), placement=placement
+    )
     result.events += groups.events
     if groups.draining:
         result.requeue_after_s = DRAIN_POLL_S
@@ -224,6 +230,9 @@ def _converge(
     if groups.condition is not None:
         (draining,) = merge_conditions(previous.get("conditions", []), [groups.condition], now)
         status["conditions"].append(draining.model_dump(by_alias=True, exclude_none=True))
+    if groups.placement is not None:
+        (placed,) = merge_conditions(previous.get("conditions", []), [groups.placement], now)
+        status["conditions"].append(placed.model_dump(by_alias=True, exclude_none=True))
     written = _write_status(kube, body, status, result, drop_other_roles=True)
     if written and status["phase"] != previous.get("phase"):
         result.events.append(("Normal", "Phase", f"phase {status['phase']}"))
@@ -233,6 +242,15 @@ def _converge(
         and _condition(status, "TransferReady") != _condition(previous, "TransferReady")
     ):
         result.events.append(("Warning", "TransferRequirementsUnmet", "; ".join(warnings)))
+    placed_now, placed_before = (
+        _condition(status, "Unschedulable"),
+        _condition(previous, "Unschedulable"),
+    )
+    if written and placed_now is not None and placed_now != placed_before:
+        if placed_now[0] == "True":
+            result.events.append(("Warning", "Unschedulable", placed_now[1]))
+        elif placed_before is not None and placed_before[0] == "True":
+            result.events.append(("Normal", "Placed", "every group's pods are placed"))
     return result
 
 

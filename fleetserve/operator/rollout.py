@@ -36,6 +36,13 @@ from fleetserve.operator.drain import (
     probe_leader,
 )
 from fleetserve.operator.kube import Kube
+from fleetserve.operator.placement import (
+    GroupPlacement,
+    creation_tiers,
+    hold_creation,
+    is_placed,
+    placement_condition,
+)
 from fleetserve.operator.render import ENGINE_PORT
 from fleetserve.operator.roll import GroupView, RolePlan, plan_role
 from fleetserve.operator.status import GroupState, group_state
@@ -62,6 +69,8 @@ class GroupsOutcome:
     draining: list[DrainingGroup] = field(default_factory=list)
     """Groups still draining after this pass (the deployment is reconciled again soon)."""
     condition: Condition | None = None
+    placement: Condition | None = None
+    """The `Unschedulable` condition (`fleetserve.operator.placement`), when placement was read."""
 
 
 def _hash(obj: dict[str, Any]) -> str:
@@ -145,12 +154,16 @@ def converge_groups(
     replicas: dict[str, int],
     now: datetime,
     probe: Probe = probe_leader,
+    placement: dict[tuple[str, int], GroupPlacement] | None = None,
 ) -> GroupsOutcome:
     """Converge every role's groups one step (module docstring).
 
     Args:
         live: the deployment's children by (kind, name).
         replicas: role → the number of groups it should have now.
+        placement: (role, index) → where the scheduler stands with that group's pods; with it,
+            roles are created in `creation_tiers` order and a role's new groups wait while an
+            earlier tier's group is created now or not yet placed (None: no ordering).
     """
     p = _Pass(kube, owner, now, probe, live)
     roles = dict(spec.roles.items())
@@ -188,10 +201,29 @@ def converge_groups(
     }
     # A roll waits while any role's new groups are not ready, so revisions change together.
     hold = any(v.current and not v.draining and not v.ready for vs in views.values() for v in vs)
-    for name, role in roles.items():
-        plan = plan_role(views[name], replicas[name], role.max_surge, hold_roll=hold)
-        _act(p, spec, name, groups[name], plan)
+    tiers = creation_tiers(spec) if placement is not None else [list(roles)]
+    unplaced: list[tuple[str, int]] = []  # groups of earlier tiers the scheduler has not placed
+    held: dict[str, list[tuple[str, int]]] = {}
+    for tier in tiers:
+        earlier = list(unplaced)
+        for name in tier:
+            role = roles[name]
+            plan = plan_role(views[name], replicas[name], role.max_surge, hold_roll=hold)
+            if earlier and plan.create:
+                plan, held[name] = hold_creation(plan), earlier
+            _act(p, spec, name, groups[name], plan)
+            unplaced += [(name, i) for i in plan.create]
+            unplaced += [
+                (name, i)
+                for i in sorted(p.out.groups.get(name, {}))
+                if placement is not None
+                and not is_placed(placement.get((name, i)), role.group_size)
+            ]
     p.out.condition = draining_condition(p.out.draining)
+    if placement is not None:
+        active = {(r, i) for r, gs in p.out.groups.items() for i in gs}
+        stuck = {k: placement[k].unschedulable for k in active if k in placement}
+        p.out.placement = placement_condition({k: m for k, m in stuck.items() if m}, held)
     return p.out
 
 
