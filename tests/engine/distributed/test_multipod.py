@@ -243,7 +243,9 @@ def test_a_dead_worker_on_the_follower_ends_its_pod_and_fails_the_leader(
 ) -> None:
     leader, follower = group
     ps = subprocess.run(
-        ["ps", "--ppid", str(follower.process.pid), "-o", "pid=,args="],
+        # NOTE: -ww: without it ps cuts `args` at $COLUMNS, and a long checkout path (CI's
+        # clean clone) pushed "worker_proc" past the cut.
+        ["ps", "-ww", "--ppid", str(follower.process.pid), "-o", "pid=,args="],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     (worker,) = [int(line.split()[0]) for line in ps.stdout.splitlines() if "worker_proc" in line]
