@@ -55,6 +55,35 @@ def _tokens(outputs: list[EngineCoreOutput]) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
 
 
+def _prefill_then_decode(
+    producer: EngineCore, consumer: EngineCore, prompts: list[list[int]]
+) -> dict[str, list[EngineCoreOutput]]:
+    """Prefill every prompt on the producer (`p{i}`), then decode it on the consumer (`d{i}`)
+    from the producer's KV (`_decode_beside`)."""
+    for i, prompt in enumerate(prompts):
+        producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
+                             kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    prefilled = _run(producer)
+    for i, prompt in enumerate(prompts):
+        (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
+        consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
+                             kv_transfer_params=last.kv_transfer_params)  # fmt: skip
+    return _decode_beside(consumer, producer)
+
+
+def _decode_beside(consumer: EngineCore, producer: EngineCore) -> dict[str, list[EngineCoreOutput]]:
+    """Step the consumer until its requests end, stepping the producer too (it serves the
+    reads and frees its blocks when told); the consumer's outputs by request id."""
+    results: dict[str, list[EngineCoreOutput]] = {}
+    for _ in range(4000):
+        if not consumer.scheduler.has_unfinished_requests():
+            break
+        for output in consumer.step():
+            results.setdefault(output.req_id, []).append(output)
+        producer.step()
+    return results
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # 4 KV heads: 2 per rank at TP=2, so a TP=1 block is two ranks' halves.
@@ -102,21 +131,7 @@ def test_prefill_then_decode_across_tp_sizes_gives_the_colocated_tokens(
     pair: tuple[EngineCore, EngineCore], prompts: list[list[int]], colocated: list[list[int]]
 ) -> None:
     producer, consumer = pair
-    for i, prompt in enumerate(prompts):
-        producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
-                             kv_transfer_params={"do_remote_decode": True})  # fmt: skip
-    prefilled = _run(producer)
-    for i, prompt in enumerate(prompts):
-        (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
-        consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
-                             kv_transfer_params=last.kv_transfer_params)  # fmt: skip
-    results: dict[str, list[EngineCoreOutput]] = {}
-    for _ in range(4000):
-        if not consumer.scheduler.has_unfinished_requests():
-            break
-        for output in consumer.step():
-            results.setdefault(output.req_id, []).append(output)
-        producer.step()
+    results = _prefill_then_decode(producer, consumer, prompts)
     for i, prompt in enumerate(prompts):
         outputs = results[f"d{i}"]
         assert outputs[-1].error is None, outputs[-1].error
@@ -155,13 +170,7 @@ def test_a_load_every_rank_fails_is_reported_once_and_recomputed(
             (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
             consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
                                  kv_transfer_params=last.kv_transfer_params)  # fmt: skip
-        results: dict[str, list[EngineCoreOutput]] = {}
-        for _ in range(4000):
-            if not consumer.scheduler.has_unfinished_requests():
-                break
-            for output in consumer.step():
-                results.setdefault(output.req_id, []).append(output)
-            producer.step()
+        results = _decode_beside(consumer, producer)
         for i in range(len(prompts)):
             outputs = results[f"d{i}"]
             assert outputs[-1].error is None, outputs[-1].error
@@ -195,21 +204,7 @@ def test_replicated_kv_heads_map_between_tp_sizes(
     producer = _engine(model, {**KV, "role": "producer"}, producer_tp)
     consumer = _engine(model, {**KV, "role": "consumer"}, consumer_tp)
     try:
-        for i, prompt in enumerate(prompts):
-            producer.add_request(f"p{i}", prompt, GREEDY, eos_token_ids=(),
-                                 kv_transfer_params={"do_remote_decode": True})  # fmt: skip
-        prefilled = _run(producer)
-        for i, prompt in enumerate(prompts):
-            (last,) = [o for o in prefilled[f"p{i}"] if o.finished]
-            consumer.add_request(f"d{i}", prompt, GREEDY, eos_token_ids=(),
-                                 kv_transfer_params=last.kv_transfer_params)  # fmt: skip
-        results: dict[str, list[EngineCoreOutput]] = {}
-        for _ in range(4000):
-            if not consumer.scheduler.has_unfinished_requests():
-                break
-            for output in consumer.step():
-                results.setdefault(output.req_id, []).append(output)
-            producer.step()
+        results = _prefill_then_decode(producer, consumer, prompts)
         for i, prompt in enumerate(prompts):
             outputs = results[f"d{i}"]
             assert outputs[-1].error is None, outputs[-1].error
@@ -256,13 +251,7 @@ def test_a_load_one_rank_fails_is_reported_only_once_that_rank_stopped(
         assert "kv_transfer_failed" in error and "rank 1:" in error, error
         consumer.add_request("d1", prompts[1], GREEDY, eos_token_ids=(),
                              kv_transfer_params=params[1])  # fmt: skip
-        results = {}
-        for _ in range(4000):
-            if not consumer.scheduler.has_unfinished_requests():
-                break
-            for output in consumer.step():
-                results.setdefault(output.req_id, []).append(output)
-            producer.step()
+        results = _decode_beside(consumer, producer)
         assert results["d1"][-1].error is None, results["d1"][-1].error
         assert _tokens(results["d1"]) == colocated[1]
         assert results["d1"][0].num_cached_tokens == len(prompts[1]) - 1
