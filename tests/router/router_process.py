@@ -3,12 +3,14 @@ end-to-end tests; a helper module, not a conftest, so tests import it by name.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -57,3 +59,23 @@ def start_router(
     finally:
         stop(process, grace_s=15)
         log.close()
+
+
+def complete_tokens(router: RouterHandle, prompt: Any, stream: bool, max_tokens: int) -> list[int]:
+    """A greedy completion through the router (`ignore_eos`), streamed or not: its token ids.
+    A stream must end with `[DONE]` and carry no error event."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}  # fmt: skip
+    response = requests.post(f"{router.base_url}/v1/completions", json=body, stream=stream,
+                             timeout=120)  # fmt: skip
+    assert response.status_code == 200, response.text
+    if not stream:
+        return list(response.json()["choices"][0]["token_ids"])
+    tokens: list[int] = []
+    events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]", events[-1]
+    for line in events[:-1]:
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        tokens += event["choices"][0]["token_ids"] or []
+    return tokens

@@ -5,7 +5,6 @@ decode processes (tiny random model): greedy outputs equal the colocated engine'
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import pytest
 import requests
 
 from fleetserve import LLM, SamplingParams
-from tests.router.router_process import RouterHandle, start_router
+from tests.router.router_process import RouterHandle, complete_tokens, start_router
 from tests.server.server_process import ServerHandle, start_server
 from tests.server.test_pd_http import _kv
 
@@ -99,21 +98,7 @@ def fleet(
 
 
 def _complete(router: RouterHandle, prompt: Any, stream: bool) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream}  # fmt: skip
-    response = requests.post(f"{router.base_url}/v1/completions", json=body, stream=stream,
-                             timeout=120)  # fmt: skip
-    assert response.status_code == 200, response.text
-    if not stream:
-        return list(response.json()["choices"][0]["token_ids"])
-    tokens: list[int] = []
-    events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
-    assert events[-1] == b"data: [DONE]", events[-1]
-    for line in events[:-1]:
-        event = json.loads(line[6:])
-        assert "error" not in event, event
-        tokens += event["choices"][0]["token_ids"] or []
-    return tokens
+    return complete_tokens(router, prompt, stream, MAX_TOKENS)
 
 
 def _engine_counters(f: Fleet) -> tuple[float, float]:
