@@ -142,17 +142,42 @@ class EPLB(_Model):
     window_size: int = Field(default=1000, ge=1)
     step_interval: int = Field(default=3000, ge=1)
     policy: Literal["hierarchical", "global"] = "global"
+    use_async: bool = Field(
+        default=False,
+        description="move expert weights in the background and switch between steps",
+    )
 
 
 _RANKS = "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data"
 
 
+_EP_GROUP = "self.parallelism.tensor * self.parallelism.data"
+
+
 class Role(_Model):
     model_config = ConfigDict(
-        json_schema_extra=_cel(
-            f"self.gpusPerPod == 0 ? {_RANKS} == 1 : ({_RANKS}) % self.gpusPerPod == 0",
-            "tensor × pipeline × data must be a multiple of gpusPerPod (1 when gpusPerPod is 0)",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.gpusPerPod == 0 ? {_RANKS} == 1"
+                    f" : ({_RANKS}) % self.gpusPerPod == 0",
+                    "message": "tensor × pipeline × data must be a multiple of gpusPerPod (1"
+                    " when gpusPerPod is 0)",
+                },
+                # EPLB balances over the expert-parallel group (data × tensor ranks): its
+                # redundant slots must split evenly over them.
+                {
+                    "rule": "!self.eplb.enabled || self.parallelism.expert",
+                    "message": "eplb needs parallelism.expert: true",
+                },
+                {
+                    "rule": f"!self.eplb.enabled || self.eplb.redundantExperts % ({_EP_GROUP})"
+                    " == 0",
+                    "message": "eplb.redundantExperts must be a multiple of the EP group"
+                    " (parallelism.tensor × parallelism.data)",
+                },
+            ]
+        }
     )
 
     replicas: int = Field(default=1, ge=0)
@@ -402,6 +427,15 @@ class InferenceDeploymentSpec(_Model):
                 )
             if not self.model.moe and (role.parallelism.expert or role.eplb.enabled):
                 raise ValueError(f"roles.{name}: expert parallel and EPLB need model.moe: true")
+            p = role.parallelism
+            if role.eplb.enabled and not p.expert:
+                raise ValueError(f"roles.{name}: eplb needs parallelism.expert: true")
+            if role.eplb.enabled and role.eplb.redundant_experts % (p.tensor * p.data):
+                raise ValueError(
+                    f"roles.{name}: eplb.redundantExperts must be a multiple of the EP group"
+                    f" (parallelism.tensor × parallelism.data = {p.tensor * p.data}), got"
+                    f" {role.eplb.redundant_experts}"
+                )
         has_pd = self.roles.prefill is not None and self.roles.decode is not None
         if has_pd == (self.roles.unified is not None) or has_pd != (
             self.kv_transfer.connector != "none"

@@ -34,6 +34,7 @@ from fleetserve.engine.config import (
     resolve_device,
     resolve_dtype,
 )
+from fleetserve.engine.eplb.args import check_eplb_args
 from fleetserve.envs import Env, env_name, read_env
 
 __all__ = ["EngineArgs"]
@@ -102,6 +103,9 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
     )
+    eplb_use_async: bool = _arg(
+        False, "EPLB: move expert weights in the background, switch between steps"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -168,6 +172,14 @@ class EngineArgs:
 
             model = str(bundled_model_path())
         hf_config = load_hf_config(model)
+        check_eplb_args(
+            enable_eplb=self.enable_eplb,
+            enable_expert_parallel=self.enable_expert_parallel,
+            num_redundant_experts=self.num_redundant_experts,
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            hf_config=hf_config,
+        )
         for f in fields(self):
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
@@ -230,6 +242,7 @@ class EngineArgs:
                 window_size=self.eplb_window_size,
                 step_interval=self.eplb_step_interval,
                 policy=self.eplb_policy,
+                use_async=self.eplb_use_async,
             ),
             kv_transfer=(
                 None
@@ -250,9 +263,14 @@ class EngineArgs:
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data_parallel_size", "data-parallel ranks", "issue 16"),
     ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
-    ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
 )
-_EPLB_ONLY = ("num_redundant_experts", "eplb_window_size", "eplb_step_interval", "eplb_policy")
+_EPLB_ONLY = (
+    "num_redundant_experts",
+    "eplb_window_size",
+    "eplb_step_interval",
+    "eplb_policy",
+    "eplb_use_async",
+)
 
 
 def _refuse_unimplemented(args: EngineArgs) -> None:

@@ -222,6 +222,9 @@ class EPLBConfig:
     """Steps between rebalances."""
     policy: str = "global"
     """'global' or 'hierarchical' (DeepSeek's EPLB placement)."""
+    use_async: bool = False
+    """Stage moved expert weights in the background and switch between steps (else the
+    rebalance step moves them before it returns)."""
 
     def __post_init__(self) -> None:
         _require(self.redundant_experts >= 0, "redundant_experts", ">= 0", self.redundant_experts)

@@ -44,6 +44,7 @@ ENGINE_FLAGS = (
     "--eplb-window-size",
     "--eplb-step-interval",
     "--eplb-policy",
+    "--eplb-use-async",
     "--kv-transfer-config",
 )
 """Every `fleetserve serve` flag `engine_args` can render (besides the user's `engine.args`)."""
@@ -156,6 +157,8 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
             "--eplb-policy",
             e.policy,
         ]
+        if e.use_async:
+            args.append("--eplb-use-async")
     kv = kv_transfer_config(spec, role_name)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))]

@@ -82,7 +82,6 @@ def test_chunked_prefill_off_needs_room_for_a_whole_prompt() -> None:
     [
         ({"data_parallel_size": 2}, "data_parallel_size"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
-        ({"enable_eplb": True}, "enable_eplb"),
     ],
 )
 def test_unimplemented_options_are_refused_by_name(

@@ -54,7 +54,6 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
 
     model = str(bundled_model_path())
     for flags, name in (
-        (["--enable-eplb"], "enable_eplb"),
         (["--enable-expert-parallel"], "enable_expert_parallel"),
         (["--data-parallel-size", "2"], "data_parallel_size"),
     ):

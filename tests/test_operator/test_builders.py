@@ -250,7 +250,7 @@ def _maximal_spec() -> InferenceDeploymentSpec:
     role = {
         "gpusPerPod": 8,
         "parallelism": {"tensor": 2, "pipeline": 2, "data": 2, "expert": True},
-        "eplb": {"enabled": True},
+        "eplb": {"enabled": True, "useAsync": True},
     }
     return _spec(
         model={"name": "m", "source": {"uri": "/m"}, "moe": True, "maxModelLen": 64},
