@@ -23,6 +23,11 @@ __all__ = [
     "AUTOSCALER_TICK_SECONDS",
     "E2E_REQUEST_LATENCY",
     "ENGINE_METRICS",
+    "EPLB_BALANCEDNESS",
+    "EPLB_LAST_REARRANGE_SECONDS",
+    "EPLB_METRICS",
+    "EPLB_REBALANCES",
+    "EPLB_REBALANCES_SKIPPED",
     "GENERATION_TOKENS",
     "INTER_TOKEN_LATENCY",
     "KV_ACTIVE_LEASES",
@@ -224,6 +229,31 @@ SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
 )
 """What an engine with speculative decoding exports besides `ENGINE_METRICS`."""
+
+EPLB_BALANCEDNESS = MetricSpec(
+    "fleetserve:eplb_balancedness", "gauge",
+    "Mean / max per-EP-rank expert load over the last EPLB window, averaged over MoE layers"
+    " (1 = even; the slowest rank bounds a MoE layer).",
+)  # fmt: skip
+EPLB_REBALANCES = MetricSpec(
+    "fleetserve:eplb_rebalances", "counter", "EPLB placements committed (expert weights moved)."
+)
+EPLB_REBALANCES_SKIPPED = MetricSpec(
+    "fleetserve:eplb_rebalances_skipped", "counter",
+    "EPLB rebalances skipped: the plan gained less than the threshold, or no tokens.",
+)  # fmt: skip
+EPLB_LAST_REARRANGE_SECONDS = MetricSpec(
+    "fleetserve:eplb_last_rearrange_seconds", "gauge",
+    "Seconds the step loop stalled for the last expert rearrangement (async: the commit).",
+)  # fmt: skip
+
+EPLB_METRICS: tuple[MetricSpec, ...] = (
+    EPLB_BALANCEDNESS,
+    EPLB_REBALANCES,
+    EPLB_REBALANCES_SKIPPED,
+    EPLB_LAST_REARRANGE_SECONDS,
+)
+"""What an engine with EPLB exports besides `ENGINE_METRICS`."""
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING,

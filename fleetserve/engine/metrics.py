@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from fleetserve.common import metric_names as names
 from fleetserve.common.metric_names import MetricSpec
 from fleetserve.engine.core.outputs import SchedulerStats
+from fleetserve.engine.eplb.stats import EplbStats
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
 from fleetserve.engine.spec_decode.stats import SpecDecodingStats
 
@@ -54,6 +55,7 @@ class EngineMetrics:
         *,
         kv_transfer: bool = False,
         spec_decode: bool = False,
+        eplb: bool = False,
     ) -> None:
         self.model_name = model_name
 
@@ -76,6 +78,7 @@ class EngineMetrics:
         self._totals = _Totals()
         self.kv_transfer = KVTransferMetrics(registry, model_name) if kv_transfer else None
         self.spec_decode = SpecDecodeMetrics(registry, model_name) if spec_decode else None
+        self.eplb = EplbMetrics(registry, model_name) if eplb else None
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Update gauges and cumulative counters from the core's per-step stats."""
@@ -97,6 +100,8 @@ class EngineMetrics:
             self.kv_transfer.record(stats.kv_transfer)
         if self.spec_decode is not None and stats.spec_decoding is not None:
             self.spec_decode.record(stats.spec_decoding)
+        if self.eplb is not None and stats.eplb is not None:
+            self.eplb.record(stats.eplb)
 
 
 class SpecDecodeMetrics:
@@ -127,6 +132,27 @@ class SpecDecodeMetrics:
             )
             self.per_pos.labels(self.model_name, str(position)).inc(max(0, total - before))
         self._seen = stats.copy()
+
+
+class EplbMetrics:
+    """The `fleetserve:eplb_*` metrics, from the EP group's cumulative EPLB counts."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.balancedness = register(registry, names.EPLB_BALANCEDNESS).labels(model_name)
+        self.rebalances = register(registry, names.EPLB_REBALANCES).labels(model_name)
+        self.skipped = register(registry, names.EPLB_REBALANCES_SKIPPED).labels(model_name)
+        self.last_rearrange_s = register(registry, names.EPLB_LAST_REARRANGE_SECONDS).labels(
+            model_name
+        )
+        self._seen = EplbStats()
+
+    def record(self, stats: EplbStats) -> None:
+        if stats.balancedness is not None:
+            self.balancedness.set(stats.balancedness)
+        self.rebalances.inc(max(0, stats.rebalances - self._seen.rebalances))
+        self.skipped.inc(max(0, stats.skipped - self._seen.skipped))
+        self.last_rearrange_s.set(stats.last_rearrange_s)
+        self._seen = stats
 
 
 class KVTransferMetrics:

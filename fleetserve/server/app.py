@@ -132,6 +132,7 @@ async def _engine_ctx(
             config.served_model_name,
             kv_transfer=config.engine.kv_transfer is not None,
             spec_decode=config.engine.speculative is not None,
+            eplb=config.engine.eplb.enabled,
         )
         engine = AsyncLLM(
             config.engine,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetserve.engine.eplb.stats import EplbStats
 from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
@@ -119,6 +120,8 @@ class ModelRunnerOutput:
     """The KV connector's completions this step (loads and sends that finished or failed)."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: req_id → drafts proposed for the request's next step."""
+    eplb_stats: EplbStats | None = None
+    """EPLB's counts, on the steps that changed them (a rebalance, a commit); else None."""
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -177,6 +180,8 @@ class SchedulerStats:
     """Batches submitted and not yet applied after the step (pipeline parallelism; else 0)."""
     max_batches_in_flight: int = 0
     """The most batches ever in flight at once (pipeline parallelism; else 0)."""
+    eplb: EplbStats | None = None
+    """EPLB's latest counts (engines with EPLB, once a rebalance came due)."""
 
 
 def concat_logprobs_rows(first: LogprobsLists | None, more: LogprobsLists) -> LogprobsLists:

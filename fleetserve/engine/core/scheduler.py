@@ -46,6 +46,7 @@ from fleetserve.engine.core.scheduler_invariants import check_scheduler_invarian
 from fleetserve.engine.core.step_deltas import StepDeltas
 from fleetserve.engine.core.step_isolation import StepIsolation
 from fleetserve.engine.core.stop_conditions import check_stop
+from fleetserve.engine.eplb.stats import EplbStats
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.spec_decode.scheduling import SpecScheduling
@@ -112,6 +113,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Finished or aborted since the last `schedule()`; sent to the runner to drop."""
         self.num_preemptions = 0
+        self.eplb_stats: EplbStats | None = None
+        """EPLB's latest counts from the workers (engines with EPLB)."""
         self.isolation = StepIsolation()
         """Suspects of a failed step, each run alone next (see `step_isolation`)."""
         self._pending_preempted: set[str] = set()
@@ -643,6 +646,8 @@ class Scheduler:
             elif self.spec is not None:
                 self.spec.set_drafts(req_id, model_runner_output.spec_token_ids.get(req_id, []))
         outputs += self._apply_connector_output(model_runner_output)
+        if model_runner_output.eplb_stats is not None:
+            self.eplb_stats = model_runner_output.eplb_stats
         if not scheduler_output.is_empty:
             # NOTE: only a step that computed something shows the engine works.
             self.isolation.step_succeeded()
@@ -706,6 +711,7 @@ class Scheduler:
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec.stats.copy() if self.spec is not None else None,
+            eplb=self.eplb_stats,
         )
 
     def check_invariants(self) -> None:
