@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import LlamaForCausalLM
+from fleetserve.engine.models.mixtral import MixtralForCausalLM
 from fleetserve.engine.models.qwen2 import Qwen2ForCausalLM
 
 
@@ -14,6 +15,7 @@ def supported_architectures() -> dict[str, type[CausalLM]]:
         # NOTE: Mistral's dense decoder is Llama's; sliding windows are rejected at construction.
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
     }
 
 

@@ -122,10 +122,12 @@ class Worker:
             if parallel.tensor_parallel_size > 1:
                 tp_group = self.parallel_state.tensor
         pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
+        ep_group = None if self.parallel_state is None else self.parallel_state.expert
         self.layer_context = build_layer_context(
             self.config,
             tp_group=tp_group,
             pp_rank=self.pp_rank,
+            ep_group=None if ep_group is None or ep_group.world_size == 1 else ep_group,
         )
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
         if pp_group is not None and pp_group.world_size > 1:
