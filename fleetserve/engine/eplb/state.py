@@ -82,6 +82,10 @@ class EplbSettings:
     """Nodes the EP group spans (the hierarchical policy keeps expert groups inside one)."""
     num_groups: int = 1
     """Expert groups of the model's group-limited routing (1: none)."""
+    keep_load_attached: bool = False
+    """Leave `expert_load` set on every step (the counter is still zeroed when the window
+    starts, so only the window's steps count): for CUDA graphs, which replay the forward as
+    captured. Off: outside the window the layers count nothing."""
 
     def __post_init__(self) -> None:
         for name in ("window_size", "step_interval", "num_nodes", "num_groups"):
@@ -171,6 +175,9 @@ class EplbState:
         self._steps_in_interval = 0
         self._pending: _Pending | None = None
         self._recording = False
+        if settings.keep_load_attached:
+            for index, layer in enumerate(self.layers):
+                layer.expert_load = self._load[index]
         self._arm()
 
     @property
@@ -215,8 +222,9 @@ class EplbState:
             self._load.zero_()
             self._carry.zero_()
         if record != self._recording:
+            attach = record or s.keep_load_attached
             for index, layer in enumerate(self.layers):
-                layer.expert_load = self._load[index] if record else None
+                layer.expert_load = self._load[index] if attach else None
             self._recording = record
 
     # -- rebalancing -------------------------------------------------------------------------

@@ -135,6 +135,7 @@ def build_layer_context(
         ep_rank=0 if ep_group is None else ep_group.rank_in_group,
         ep_size=1 if ep_group is None else ep_group.world_size,
         ep_group=ep_group,
+        num_redundant_experts=config.eplb.redundant_experts if config.eplb.enabled else 0,
     )
 
 

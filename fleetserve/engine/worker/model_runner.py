@@ -34,6 +34,8 @@ from fleetserve.engine.core.outputs import (
     SchedulerOutput,
 )
 from fleetserve.engine.distributed.pipeline import PipelineStage
+from fleetserve.engine.eplb.runner import create_eplb_state, eplb_step
+from fleetserve.engine.eplb.state import EplbState
 from fleetserve.engine.kv_transfer.connector_meta import P2PMetadata
 from fleetserve.engine.layers.attention.layer import attention_layers
 from fleetserve.engine.layers.forward_context import ForwardContext, KVLayerHooks
@@ -109,11 +111,14 @@ class ModelRunner:
         self.input_preparer = InputPreparer(
             self.buffers, self.block_size, self.max_model_len, self.device
         )
+        self.eplb: EplbState | None = None
+        """This rank's EPLB (engines with `enable_eplb`; built with the model)."""
 
     # -- setup (called by the Worker) ----------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = load_model(self.config, self.arch, self.layer_context)
+        self.eplb = create_eplb_state(self.config, self.model, self.layer_context)
         if self.spec is not None:
             self.spec.load_model()
 
@@ -199,6 +204,8 @@ class ModelRunner:
             output = ModelRunnerOutput.empty()
         else:
             output = self._run(scheduler_output, connector)
+            if self.eplb is not None:
+                output.eplb_stats = eplb_step(self.eplb)
         if connector is not None:
             output.kv_connector_output = connector.end_step()
         return output

@@ -1,0 +1,62 @@
+"""EPLB in the model runner: built after the model loads, counted after every forward.
+
+`create_eplb_state` gives each rank the `EplbState` of its MoE layers (None when EPLB is off),
+creating the EP group's own EPLB process groups collectively (every rank of the world calls it
+when it loads its model, in the same order). `eplb_step` is the one call the runner makes per
+forward; it returns the counts to report when they changed (the driver rank's reach
+`/metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+from torch import nn
+
+from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.eplb.state import EplbGroup, EplbSettings, EplbState, MoELayer
+from fleetserve.engine.eplb.stats import EplbStats
+from fleetserve.engine.layers.layer_context import LayerContext
+
+__all__ = ["create_eplb_state", "eplb_step"]
+
+
+def create_eplb_state(
+    config: EngineConfig, model: nn.Module, context: LayerContext
+) -> EplbState | None:
+    """This rank's EPLB over `model.moe_layers()` (None unless `config.eplb.enabled`).
+
+    Raises:
+        ValueError: EPLB on a model without MoE layers.
+    """
+    if not config.eplb.enabled:
+        return None
+    moe_layers = getattr(model, "moe_layers", None)
+    layers: list[MoELayer] = list(moe_layers()) if callable(moe_layers) else []
+    if not layers:
+        raise ValueError("enable_eplb needs a model with MoE layers")
+    group = None
+    if context.ep_group is not None and context.ep_size > 1:
+        from fleetserve.engine.distributed.parallel_state import device_backend, layout_of
+
+        backend = device_backend(context.device)
+        group = EplbGroup.create(layout_of(config.parallel).expert, dist.get_rank(), backend)
+    e = config.eplb
+    first = layers[0]
+    settings = EplbSettings(
+        window_size=e.window_size,
+        step_interval=e.step_interval,
+        policy=e.policy,
+        use_async=e.use_async,
+        num_groups=int(getattr(getattr(first, "routing", None), "num_expert_groups", 1) or 1),
+        # NOTE: a CUDA graph replays whatever `expert_load` was at capture: keep it attached
+        # (the window still starts from a zeroed counter) unless every step runs eagerly.
+        keep_load_attached=context.device.type == "cuda" and not config.device.enforce_eager,
+    )
+    return EplbState(layers, settings, group)
+
+
+def eplb_step(state: EplbState) -> EplbStats | None:
+    """Count one forward; the counts (a copy) when a rebalance or commit changed them."""
+    return replace(state.stats) if state.after_step() else None
