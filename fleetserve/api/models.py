@@ -479,6 +479,13 @@ class RoleStatus(_Model):
         description="groups the autoscaler wants (with autoscaling.enabled it overrides"
         " spec.roles.<role>.replicas)",
     )
+    eplb_balancedness: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="EPLB: mean over the role's engines of their last window's mean ÷ max"
+        " per-rank expert load (fleetserve:eplb_balancedness; 1 = even)",
+    )
 
 
 class ScaleDecisionRole(_Model):

@@ -138,7 +138,9 @@ class EplbMetrics:
     """The `fleetserve:eplb_*` metrics, from the EP group's cumulative EPLB counts."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.balancedness = register(registry, names.EPLB_BALANCEDNESS).labels(model_name)
+        self.model_name = model_name
+        # NOTE: no child until a window has been measured: a 0 would read as "all on one rank".
+        self.balancedness = register(registry, names.EPLB_BALANCEDNESS)
         self.rebalances = register(registry, names.EPLB_REBALANCES).labels(model_name)
         self.skipped = register(registry, names.EPLB_REBALANCES_SKIPPED).labels(model_name)
         self.last_rearrange_s = register(registry, names.EPLB_LAST_REARRANGE_SECONDS).labels(
@@ -148,7 +150,7 @@ class EplbMetrics:
 
     def record(self, stats: EplbStats) -> None:
         if stats.balancedness is not None:
-            self.balancedness.set(stats.balancedness)
+            self.balancedness.labels(self.model_name).set(stats.balancedness)
         self.rebalances.inc(max(0, stats.rebalances - self._seen.rebalances))
         self.skipped.inc(max(0, stats.skipped - self._seen.skipped))
         self.last_rearrange_s.set(stats.last_rearrange_s)

@@ -22,6 +22,7 @@ from fleetserve.api.role_adapter import ROLE_PLURAL
 from fleetserve.operator.autoscale.loop import Autoscaler
 from fleetserve.operator.autoscale.metrics import AutoscalerMetrics, serve_metrics
 from fleetserve.operator.autoscale.scale_adapter import sync_role_adapters
+from fleetserve.operator.eplb_status import EplbStatusWatch
 from fleetserve.operator.kube import Kube
 from fleetserve.operator.placement import awaits_placement
 from fleetserve.operator.reconcile import (
@@ -82,6 +83,9 @@ async def on_operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, 
     memo.autoscaler = Autoscaler(_kube(state), metrics, state.lock_for, memo.event_context.post)
     memo.autoscaler_stop = asyncio.Event()
     memo.autoscaler_task = asyncio.create_task(memo.autoscaler.run(memo.autoscaler_stop))
+    memo.eplb_status = EplbStatusWatch(_kube(state), state.lock_for)
+    # NOTE: one stop event ends both loops at cleanup.
+    memo.eplb_status_task = asyncio.create_task(memo.eplb_status.run(memo.autoscaler_stop))
 
 
 @kopf.on.cleanup()
@@ -93,6 +97,8 @@ async def on_operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
         memo.autoscaler_stop.set()
         await memo.autoscaler_task
         memo.autoscaler.close()
+    if getattr(memo, "eplb_status_task", None) is not None:
+        await memo.eplb_status_task
     if getattr(memo, "metrics_server", None) is not None:
         memo.metrics_server.shutdown()
 
@@ -162,9 +168,11 @@ def on_inferencedeployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> N
         memo.state.retries.forget(f"reconcile {meta['namespace']}/{meta['name']}")
         memo.state.warned.pop(f"{meta['namespace']}/{meta['name']}", None)
         memo.autoscaler.forget(meta["namespace"], meta["name"])
+        memo.eplb_status.forget(meta["namespace"], meta["name"])
         return
     memo.event_context.context = contextvars.copy_context()
     memo.autoscaler.track(obj)
+    memo.eplb_status.track(obj)
     _reconcile(memo.state, meta["namespace"], meta["name"], obj)
 
 

@@ -83,6 +83,8 @@ class SimEngine:
     rejected: int = 0
     backlog_tokens: float = 0.0
     """Prompt tokens queued and not yet computed (prefill; kept as requests move)."""
+    eplb_balancedness: float | None = None
+    """Exported as `fleetserve:eplb_balancedness` when set (an engine with EPLB; `sim_eplb`)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -202,6 +204,8 @@ class SimEngine:
         gauge(names.PROMPT_TOKENS_WAITING, c.prompt_tokens_waiting)
         gauge(names.KV_CACHE_USAGE, c.kv_usage)
         counter(names.PROMPT_TOKENS, c.prompt_tokens)
+        if self.eplb_balancedness is not None:
+            gauge(names.EPLB_BALANCEDNESS, self.eplb_balancedness)
         text = generate_latest(registry).decode()
         # NOTE: prometheus_client cannot set a histogram's sum and count directly; the autoscaler
         # reads only those two, so they are written as the exposition format spells them.

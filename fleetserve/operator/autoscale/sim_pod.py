@@ -1,8 +1,9 @@
 """A simulated engine pod: `SimEngine` behind `/health` and `/metrics`, its load from a trace.
 
 Run as the engine command of an InferenceDeployment (the rendered `serve MODEL ...` arguments
-are accepted; only `--host`, `--port`, `--kv-transfer-config` (its role) and the `--sim-*` flags,
-given through `engine.args`, are read):
+are accepted; only `--host`, `--port`, `--kv-transfer-config` (its role), EPLB's flags and the EP
+size (its `fleetserve:eplb_balancedness`, `sim_eplb`) and the `--sim-*` flags, given through
+`engine.args`, are read):
 
     python -m fleetserve.operator.autoscale.sim_pod serve MODEL --host H --port P \
         --kv-transfer-config '{"role": "producer", ...}' --sim-trace FILE --sim-peers DIR
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.operator.autoscale.sim_engine import EngineModel, SimEngine, SimRequest
+from fleetserve.operator.autoscale.sim_eplb import load_time_balancedness
 from fleetserve.operator.autoscale.trace import Trace
 
 __all__ = ["TraceFile", "main", "peers_alive"]
@@ -159,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-trace", type=Path, required=True)
     parser.add_argument("--sim-peers", type=Path, required=True)
     parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--enable-eplb", action="store_true")
+    parser.add_argument("--num-redundant-experts", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
     args, _ = parser.parse_known_args(argv)
     pod = _Pod(_role(args.kv_transfer_config), args.sim_trace, args.sim_peers, args.sim_seed)
+    if args.enable_eplb:
+        pod.engine.eplb_balancedness = load_time_balancedness(
+            args.tensor_parallel_size * args.data_parallel_size, args.num_redundant_experts
+        )
     server = ThreadingHTTPServer((args.host, args.port), _handler(pod))
     worker = threading.Thread(target=pod.run, name="sim", daemon=True)
     worker.start()
