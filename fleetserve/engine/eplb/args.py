@@ -9,19 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MOE_EXPERT_KEYS", "check_eplb_args", "num_logical_experts"]
+from fleetserve.engine.models.moe_arch import MOE_ARCHITECTURES, MoeArch, is_moe_config
 
-MOE_EXPERT_KEYS: tuple[str, ...] = ("num_local_experts", "num_experts", "n_routed_experts")
-"""config.json keys that give a MoE model's routed experts (Mixtral, Qwen-MoE, DeepSeek)."""
-
-
-def num_logical_experts(hf_config: dict[str, Any]) -> int | None:
-    """Routed experts per MoE layer from config.json, None for a dense model."""
-    for key in MOE_EXPERT_KEYS:
-        value = hf_config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+__all__ = ["check_eplb_args"]
 
 
 def check_eplb_args(
@@ -41,11 +31,11 @@ def check_eplb_args(
             "enable_eplb needs enable_expert_parallel=True (EPLB places experts over the "
             "expert-parallel ranks)"
         )
-    experts = num_logical_experts(hf_config)
-    if experts is None:
+    if not is_moe_config(hf_config):
         raise ValueError(
-            f"enable_eplb needs a MoE model (config.json with one of {list(MOE_EXPERT_KEYS)})"
+            f"enable_eplb needs a MoE model (architectures {sorted(MOE_ARCHITECTURES)})"
         )
+    experts = MoeArch.from_hf_config(hf_config).num_experts
     ep = tensor_parallel_size * data_parallel_size
     if num_redundant_experts % ep:
         raise ValueError(

@@ -124,7 +124,7 @@ class _Pending:
     """An async rearrangement being staged by `thread`."""
 
     maps: ExpertMaps
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     staged: list[StagedLayer] = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -264,7 +264,7 @@ class EplbState:
             self.stats.skipped += 1
             return
         if s.use_async:
-            pending = _Pending(new, threading.Thread(target=lambda: None))
+            pending = _Pending(new)
             pending.thread = threading.Thread(
                 target=self._stage_in_background, args=(pending,), name="eplb-stage", daemon=True
             )
@@ -320,7 +320,8 @@ class EplbState:
         vote_min = int(vote.item())
         if vote_min == 0:
             return False
-        pending.thread.join()
+        if pending.thread is not None:
+            pending.thread.join()
         self._pending = None
         if vote_min < 0:
             raise RuntimeError(f"EPLB: an async rearrangement failed ({pending.error!r} here)")

@@ -11,7 +11,13 @@ import pytest
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.eplb.args import check_eplb_args
 
-MOE = {"num_local_experts": 8}
+MOE = {
+    "architectures": ["MixtralForCausalLM"],
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+}
 
 
 @pytest.fixture
@@ -35,7 +41,7 @@ def _check(**overrides: Any) -> None:
 
 def test_valid_settings_pass() -> None:
     _check()
-    _check(num_redundant_experts=0, hf_config={"n_routed_experts": 4})
+    _check(num_redundant_experts=0, hf_config={**MOE, "num_local_experts": 4})
     _check(enable_eplb=False, enable_expert_parallel=False, hf_config={})
 
 
@@ -50,7 +56,7 @@ def test_valid_settings_pass() -> None:
             r"\(tensor_parallel_size × data_parallel_size = 2\)",
         ),
         (
-            {"hf_config": {"num_experts": 7}, "num_redundant_experts": 2},
+            {"hf_config": {**MOE, "num_local_experts": 7}, "num_redundant_experts": 2},
             r"7 experts \+ num_redundant_experts \(2\) must split evenly",
         ),
     ],
