@@ -25,23 +25,21 @@ __all__ = ["create_eplb_state", "eplb_step"]
 def create_eplb_state(
     config: EngineConfig, model: nn.Module, context: LayerContext
 ) -> EplbState | None:
-    """This rank's EPLB over `model.moe_layers()` (None unless `config.eplb.enabled`).
-
-    Raises:
-        ValueError: EPLB on a model without MoE layers.
-    """
+    """This rank's EPLB over `model.moe_layers()` (None unless `config.eplb.enabled`, or for a
+    pipeline stage without MoE layers: `EngineArgs` refuses EPLB for dense models)."""
     if not config.eplb.enabled:
         return None
-    moe_layers = getattr(model, "moe_layers", None)
-    layers: list[MoELayer] = list(moe_layers()) if callable(moe_layers) else []
-    if not layers:
-        raise ValueError("enable_eplb needs a model with MoE layers")
     group = None
     if context.ep_group is not None and context.ep_size > 1:
         from fleetserve.engine.distributed.parallel_state import device_backend, layout_of
 
+        # NOTE: before anything can return: every rank creates every EP group's groups.
         backend = device_backend(context.device)
         group = EplbGroup.create(layout_of(config.parallel).expert, dist.get_rank(), backend)
+    moe_layers = getattr(model, "moe_layers", None)
+    layers: list[MoELayer] = list(moe_layers()) if callable(moe_layers) else []
+    if not layers:
+        return None
     e = config.eplb
     first = layers[0]
     settings = EplbSettings(
