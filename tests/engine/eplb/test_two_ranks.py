@@ -81,3 +81,13 @@ def test_balancedness_rises_after_the_rebalance(ranks: list[dict[str, Any]], mod
     assert second >= 0.8
     # The second window is already balanced: nothing to gain, so it is skipped.
     assert ranks[0][mode]["stats"]["skipped"] == 1
+
+
+def test_a_failed_async_staging_raises_on_every_rank_at_once(ranks: list[dict[str, Any]]) -> None:
+    # Rank 1's staging fails; the readiness vote (MIN over the ranks) makes both raise on the
+    # same step, neither having committed anything.
+    first, second = ranks[0]["failing"], ranks[1]["failing"]
+    assert first["raised_at"] is not None and first["raised_at"] == second["raised_at"]
+    assert first["raised_at"] > INTERVAL
+    assert first["rebalances"] == second["rebalances"] == 0
+    assert "staging failed" in second["error"] and "async rearrangement failed" in first["error"]

@@ -81,6 +81,28 @@ def run_mode(
     }
 
 
+def run_failing_async(rank: int, forward_group: Any, eplb_group: EplbGroup) -> dict[str, Any]:
+    """Async staging fails on rank 1 only: every rank must raise, on the same step."""
+    layers = [StandInMoE(NUM_LOGICAL, NUM_REDUNDANT, DIM, ep_size=2, ep_rank=rank, seed=0,
+                         group=forward_group)]  # fmt: skip
+    settings = EplbSettings(window_size=WINDOW, step_interval=INTERVAL, use_async=True)
+    state = EplbState(layers, settings, eplb_group)
+    if rank == 1:
+
+        def broken(new: Any) -> Any:
+            raise OSError("staging failed")
+
+        state._stage = broken  # type: ignore[method-assign]
+    for step in range(1, STEPS + 1):
+        ids = skewed_ids(TOKENS, TOP_K, NUM_LOGICAL, hot=2, seed=step)
+        layers[0](torch.randn(TOKENS, DIM, dtype=torch.float64), ids)
+        try:
+            state.after_step()
+        except RuntimeError as exc:
+            return {"raised_at": step, "error": str(exc), "rebalances": state.stats.rebalances}
+    return {"raised_at": None}
+
+
 def main() -> None:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group(
@@ -96,6 +118,7 @@ def main() -> None:
         mode: run_mode(mode == "async", rank, forward_group, eplb_group)
         for mode in ("sync", "async")
     }
+    result["failing"] = run_failing_async(rank, forward_group, eplb_group)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
