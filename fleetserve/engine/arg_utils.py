@@ -102,6 +102,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
     )
+    moe_backend: str = _arg("auto", "MoE expert GEMMs (auto: triton on CUDA, torch on the CPU)",
+                            choices=("auto", "torch", "triton"))  # fmt: skip
 
     @classmethod
     def names(cls) -> list[str]:
@@ -224,6 +226,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 custom_ops=custom_ops,
                 enforce_eager=self.enforce_eager,
+                moe_backend=self.moe_backend,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,

@@ -303,6 +303,13 @@ class Worker:
         """One step on this rank (see `ModelRunner.execute_model`)."""
         return self.model_runner.execute_model(scheduler_output)
 
+    def moe_expert_slots(self) -> list[list[int]]:
+        """Per MoE layer of this rank (layer order), the physical expert slots it holds
+        (empty for a dense model)."""
+        model = self.model_runner.model
+        layers = getattr(model, "moe_layers", None)
+        return [] if layers is None else [list(m.local_physical_experts) for m in layers()]
+
     def shutdown(self) -> None:
         """Release the graphs, the model and the KV caches; the runner is gone afterwards.
 

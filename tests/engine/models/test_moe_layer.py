@@ -162,17 +162,18 @@ def _layer(
     return layer
 
 
-@pytest.mark.parametrize(("ep_size", "tp_size"), [(2, 1), (4, 1), (1, 2)])
+@pytest.mark.parametrize(("ep_size", "tp_size"), [(2, 2), (4, 4), (1, 2)])
 def test_sharded_layers_sum_to_the_unsharded_layer(ep_size: int, tp_size: int) -> None:
-    """EP: each rank holds E / ep whole experts; TP without EP: every expert's INTER / tp rows.
+    """EP: each rank holds E / ep whole experts; TP without EP: each expert's INTER / tp rows.
     The sum over ranks of their outputs (what the all-reduce computes) is the full layer's."""
     w13, w2 = _random_experts()
     gen = torch.Generator().manual_seed(2)
     x, logits = torch.randn(13, H, generator=gen), torch.randn(13, E, generator=gen)
     full = _layer(_context(), w13, w2)(x, logits)
     parts = []
-    for rank in range(max(ep_size, tp_size)):
-        context = _context(rank % ep_size, ep_size, rank % tp_size, tp_size)
+    for rank in range(tp_size):
+        # With data_parallel_size 1 the EP group is the TP group (the experts are whole).
+        context = _context(rank if ep_size > 1 else 0, ep_size, rank, tp_size)
         layer = _layer(context, w13, w2)
         if ep_size > 1:
             local = layer.num_local_physical_experts
@@ -199,7 +200,7 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
     replicas share the tokens by (token + slot) % count, and outputs do not change."""
     w13, w2 = _random_experts()
     p2l = [*range(E), 3, 5]
-    layer = _layer(_context(1, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
+    layer = _layer(_context(1, 2, 1, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
     assert (layer.num_physical_experts, layer.num_local_physical_experts) == (10, 5)
     assert list(layer.local_physical_experts) == [5, 6, 7, 8, 9]
     # Local slot 3 = physical 8 = a replica of logical 3: loaded from expert 3's tensors.
@@ -220,7 +221,7 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
     layer(x, logits)
     assert int(layer.expert_load.sum()) == 9 * 2
     # Both EP ranks together equal the unsharded, unreplicated layer.
-    rank0 = _layer(_context(0, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
+    rank0 = _layer(_context(0, 2, 0, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
     rank0.eplb_maps = layer.eplb_maps
     torch.testing.assert_close(
         rank0(x, logits) + layer(x, logits), _layer(_context(), w13, w2)(x, logits)
@@ -229,7 +230,9 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
 
 def test_layer_refuses_bad_layouts() -> None:
     with pytest.raises(ValueError, match="must be divisible by the expert-parallel size"):
-        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 3))
+        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 3, 0, 3))
+    with pytest.raises(ValueError, match="needs data-parallel dispatch"):
+        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 2))
     with pytest.raises(ValueError, match="physical_to_logical must list 9"):
         FusedMoE(
             E, H, INTER, RoutingConfig(2, True), _context(), num_redundant_experts=1,

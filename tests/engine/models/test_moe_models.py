@@ -1,6 +1,7 @@
 """MoE models through the engine: greedy token ids equal transformers' exactly (float32), with
-chunked prefill and preemption active; expert parallel over two gloo worker processes (the
-'mp' executor, EP group = TP group) gives the same tokens as one rank."""
+chunked prefill and preemption active; over two gloo worker processes (the 'mp' executor),
+expert parallel (EP group = TP group: experts spread, hidden states replicated, one all-reduce)
+and plain tensor parallel (every expert split like an MLP) give the same tokens as one rank."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ SETTINGS = {
     "long_prefill_token_threshold": 8,
     "enable_prefix_caching": False,
 }
-ARCHS = ["mixtral"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -71,8 +72,9 @@ def test_moe_model_matches_transformers(
         llm.engine_core.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_expert_parallel_2_equals_1(
     arch: str,
     moe_dirs: dict[str, Path],
@@ -87,7 +89,13 @@ def test_expert_parallel_2_equals_1(
         **SETTINGS,
     )
     try:
-        assert isinstance(llm.engine_core.executor, MultiprocExecutor)
+        executor = llm.engine_core.executor
+        assert isinstance(executor, MultiprocExecutor)
+        # Each rank holds half of every MoE layer's experts: rank 0 the first half.
+        slots = executor.collective_rpc("moe_expert_slots")
+        num_experts = 4 if arch == "mixtral" else 8
+        assert slots[0] and all(s == list(range(num_experts // 2)) for s in slots[0])
+        assert all(s == list(range(num_experts // 2, num_experts)) for s in slots[1])
         assert _generate(llm, prompts) == expected[arch]
     finally:
         llm.engine_core.shutdown()

@@ -134,15 +134,24 @@ class FusedMoE(nn.Module):
             range(num_experts)
         )
         if self.ep_size > 1:
-            if context.tp_size > 1 and context.tp_size != self.ep_size:
-                # NOTE: EP over DP × TP needs a dispatch of each DP rank's tokens first.
+            if context.tp_size != self.ep_size:
+                # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others
+                # first (all-gather / all-to-all); only the replicated-hidden case is built.
                 raise ValueError(
                     f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
                     f"{context.tp_size} needs data-parallel dispatch, which is not built; "
                     "the expert-parallel group must be the tensor-parallel group"
                 )
             self.inter_slice = split_evenly(intermediate_size, 0, 1, what="intermediate_size")
-            self.reduce_group = context.ep_group
+            # NOTE: with data_parallel_size 1 the EP group has the TP group's ranks; its
+            # coordinator carries the one-host shared-memory all-reduce, so sum over it.
+            tp_group = context.tp_group
+            same_ranks = (
+                tp_group is not None
+                and context.ep_group is not None
+                and (tp_group.ranks == context.ep_group.ranks)
+            )
+            self.reduce_group = tp_group if same_ranks else context.ep_group
         else:
             self.inter_slice = split_evenly(
                 intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
