@@ -244,3 +244,26 @@ def test_layer_refuses_bad_layouts() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="eplb_maps must be set"):
         redundant.to_physical(torch.zeros(1, 2, dtype=torch.long))
+
+
+class _CountingTensor:
+    """A checkpoint tensor that records which experts' tensors were read (narrowed)."""
+
+    def __init__(self, tensor: torch.Tensor, expert: int, reads: list[int]) -> None:
+        self._tensor, self._expert, self._reads = tensor, expert, reads
+        self.shape = tensor.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self._reads.append(self._expert)
+        return self._tensor.narrow(dim, start, length)
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts() -> None:
+    w13, w2 = _random_experts()
+    layer = FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(1, 4, 1, 4))
+    reads: list[int] = []
+    for e in range(E):
+        for part, tensor in (("gate", w13[e, :INTER]), ("up", w13[e, INTER:]), ("down", w2[e])):
+            layer.load_expert_weight(e, part, _CountingTensor(tensor, e, reads), f"e{e}.{part}")
+    assert sorted(set(reads)) == [2, 3] and len(reads) == 6
+    assert layer.fully_loaded()
