@@ -269,6 +269,9 @@ class Worker:
             return f"device is {self.device.type!r}"
         model = self.model_runner.model
         assert model is not None, "load_model() must run first"
+        if getattr(model, "moe_layers", None) is not None:
+            # NOTE: both MoE paths read each step's per-expert token counts on the host.
+            return "MoE layers size their expert segments on the host (not capturable yet)"
         backend = model.attn_backend
         if backend.cuda_graph_support < CudaGraphSupport.UNIFORM_DECODE:
             return f"attention backend {backend.name!r} cannot be captured"
