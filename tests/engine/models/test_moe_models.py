@@ -27,7 +27,20 @@ SETTINGS = {
     "long_prefill_token_threshold": 8,
     "enable_prefix_caching": False,
 }
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+    "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+# Model variants: (architecture, config overrides). The YaRN variant checks MLA's mscale²
+# softmax scale and the non-interleaved RoPE layout.
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-yarn": ("deepseek_v3", {"rope_parameters": YARN, "rope_interleave": False}),
+}
+ARCHS = sorted(VARIANTS)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -39,7 +52,10 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
-    return {arch: make_tiny_moe_model(root, arch) for arch in ARCHS}
+    return {
+        name: make_tiny_moe_model(root / name, arch, **overrides)
+        for name, (arch, overrides) in VARIANTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
