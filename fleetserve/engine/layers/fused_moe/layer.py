@@ -20,7 +20,8 @@ Contract (what EPLB and data parallel build on; keep it exact):
   None, physical = logical, which needs R = 0 and the default `physical_to_logical`.
 - Load. When `expert_load` is a LongTensor[num_physical_experts] (else None), each forward adds
   its physical ids into it with one `index_add_` (no host sync, no Python loop). With both
-  attributes None the layer does nothing extra.
+  attributes None the layer does nothing extra. With data_parallel_size 1 every rank routes the
+  same (replicated, bit-identical) tokens, so each rank's count is already the global count.
 
 Parallelism. Without expert parallelism (ep_size 1) every rank holds all experts, each split
 over the tensor-parallel ranks like a dense MLP (I / tp rows of gate/up, the matching columns of
@@ -209,9 +210,19 @@ class FusedMoE(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden [T, H], router logits [T, L] → the weighted sum of each token's experts [T, H]
-        (summed over the tensor- or expert-parallel group)."""
+        (summed over the tensor- or expert-parallel group).
+
+        `shared_output`, when given, is this rank's partial [T, H] of a shared expert on the
+        same tokens (its tensor-parallel slice, not yet summed; the group here has the TP
+        ranks): it is added before the sum, so one all-reduce combines both.
+        """
         weights, logical = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         physical = self.to_physical(logical)
         if self.expert_load is not None:
@@ -226,6 +237,8 @@ class FusedMoE(nn.Module):
             )
         else:
             out = torch_experts(hidden_states, self.w13_weight, self.w2_weight, weights, local)
+        if shared_output is not None:
+            out = out + shared_output
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out
