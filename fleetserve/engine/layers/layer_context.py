@@ -46,6 +46,8 @@ class LayerContext:
     experts over it and sum their outputs over it."""
     moe_backend: str = "torch"
     """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
+    num_redundant_experts: int = 0
+    """Extra physical expert slots of every MoE layer (EPLB replicas; 0 without EPLB)."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:

@@ -85,6 +85,7 @@ class SparseMoeBlock(nn.Module):
             moe.moe_intermediate_size,
             routing_config(moe),
             context,
+            num_redundant_experts=context.num_redundant_experts,
             prefix=f"{prefix}.experts",
         )
         self.shared_name = shared_name
