@@ -47,6 +47,7 @@ def routing_config(moe: MoeArch) -> RoutingConfig:
         topk_groups=moe.topk_groups,
         routed_scaling_factor=moe.routed_scaling_factor,
         use_correction_bias=moe.use_correction_bias,
+        weights_in_logits_dtype=moe.weights_in_logits_dtype,
     )
 
 

@@ -7,8 +7,9 @@ Python loop is over the experts that received tokens (one host read of the segme
 layer); there is none over tokens. Pairs whose expert is not local (another expert-parallel
 rank's, id outside [0, num_local)) are sorted past the end and skipped (they add zero).
 
-Combine: each row times its float32 routing weight stays in float32, and a token's k rows are
-summed in slot order before one cast to the activation dtype, as transformers' grouped-GEMM
+Combine: each row is multiplied by its routing weight (in the weight's dtype: float32, or the
+activation dtype for routings that round their weights), and a token's k rows are summed in
+float32, in slot order, before one cast to the activation dtype, as transformers' grouped-GEMM
 experts do (so bfloat16 rounds once per token, not once per expert).
 """
 
@@ -52,7 +53,7 @@ def torch_experts(
         hidden: [T, H].
         w13: [E, 2I, H], gate rows then up rows.
         w2: [E, H, I].
-        topk_weights: [T, k] float32.
+        topk_weights: [T, k] float32 (or hidden's dtype).
         local_ids: [T, k] int64 local expert ids (others: not this rank's, contribute 0).
 
     Returns:
@@ -78,5 +79,5 @@ def torch_experts(
         start += size
     num_tokens, hidden_size = hidden.shape
     pairs = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
-    pairs[order] = down.float() * topk_weights.flatten()[order].float().unsqueeze(1)
+    pairs[order] = (down * topk_weights.flatten()[order].unsqueeze(1)).float()
     return pairs.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
