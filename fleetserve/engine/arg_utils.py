@@ -103,6 +103,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
     )
+    moe_backend: str = _arg("auto", "MoE expert GEMMs (auto: triton on CUDA, torch on the CPU)",
+                            choices=("auto", "torch", "triton"))  # fmt: skip
     eplb_use_async: bool = _arg(
         False, "EPLB: move expert weights in the background, switch between steps"
     )
@@ -236,6 +238,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 custom_ops=custom_ops,
                 enforce_eager=self.enforce_eager,
+                moe_backend=self.moe_backend,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,

@@ -48,9 +48,10 @@ def create_eplb_state(
         policy=e.policy,
         use_async=e.use_async,
         num_groups=int(getattr(getattr(first, "routing", None), "num_expert_groups", 1) or 1),
-        # NOTE: a CUDA graph replays whatever `expert_load` was at capture: keep it attached
-        # (the window still starts from a zeroed counter) unless every step runs eagerly.
-        keep_load_attached=context.device.type == "cuda" and not config.device.enforce_eager,
+        # NOTE: MoE models run eagerly (the worker does not capture them: expert segment
+        # sizes are read on the host), so `expert_load` can be detached outside the window; a
+        # captured graph would need `keep_load_attached=True`.
+        keep_load_attached=False,
     )
     return EplbState(layers, settings, group)
 

@@ -47,7 +47,7 @@ class LayerContext:
     moe_backend: str = "torch"
     """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
     num_redundant_experts: int = 0
-    """Extra physical expert slots per MoE layer (EPLB's replicas; 0 without EPLB)."""
+    """Extra physical expert slots of every MoE layer (EPLB replicas; 0 without EPLB)."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:

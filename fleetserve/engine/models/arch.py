@@ -129,6 +129,11 @@ class ModelArch:
             )
         else:
             head_size = hidden_size // num_heads
+        if hf_config.get("kv_lora_rank"):
+            # NOTE: multi-head latent attention (DeepSeek) caches each head's decompressed K
+            # (nope + rope dims) and V (padded to K's size): one KV head per query head.
+            head_size = _int(hf_config, "qk_nope_head_dim") + _int(hf_config, "qk_rope_head_dim")
+            num_kv_heads = num_heads
         hidden_act = hf_config.get("hidden_act", "silu")
         if not isinstance(hidden_act, str):
             raise ValueError(f"config.json 'hidden_act' must be a string, got {hidden_act!r}")

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.layers.attention.selector import select_attention_backend
+from fleetserve.engine.layers.fused_moe.selector import select_moe_backend
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
@@ -112,8 +113,8 @@ def build_layer_context(
     group (None: experts are not spread over ranks).
 
     Raises:
-        ValueError: an unknown dtype, or triton custom ops on the CPU outside Triton's
-            interpreter.
+        ValueError: an unknown dtype, or triton custom ops (or MoE backend) on the CPU outside
+            Triton's interpreter.
     """
     device = torch.device(config.device.device)
     custom_ops = config.device.custom_ops
@@ -135,6 +136,7 @@ def build_layer_context(
         ep_rank=0 if ep_group is None else ep_group.rank_in_group,
         ep_size=1 if ep_group is None else ep_group.world_size,
         ep_group=ep_group,
+        moe_backend=select_moe_backend(config.device.moe_backend, device),
         num_redundant_experts=config.eplb.redundant_experts if config.eplb.enabled else 0,
     )
 

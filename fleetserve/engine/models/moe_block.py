@@ -3,7 +3,8 @@
 `SparseMoeBlock` is one layer's MLP: a replicated router (`gate`, [E, H]), the routed experts
 (`FusedMoE`, which routes, computes and sums over its ranks) and, for Qwen2-MoE and DeepSeek, a
 shared expert (a dense, tensor-parallel MLP every token goes through; Qwen2-MoE scales it by
-sigmoid(`shared_expert_gate`)). `MoeModelMixin` gives a Llama-based model `moe_layers()` and
+sigmoid(`shared_expert_gate`)); its partial sum joins the routed experts' in their one
+all-reduce. `MoeModelMixin` gives a Llama-based model `moe_layers()` and
 streams the checkpoint's per-expert tensors (`...experts.<id>.<w1|w2|w3|gate_proj|up_proj|
 down_proj>.weight`) into the `FusedMoE` slots that hold that expert on this rank, so a rank
 reads only the experts it keeps; every other tensor goes to the dense loader.
@@ -46,6 +47,7 @@ def routing_config(moe: MoeArch) -> RoutingConfig:
         topk_groups=moe.topk_groups,
         routed_scaling_factor=moe.routed_scaling_factor,
         use_correction_bias=moe.use_correction_bias,
+        weights_in_logits_dtype=moe.weights_in_logits_dtype,
     )
 
 
@@ -89,6 +91,7 @@ class SparseMoeBlock(nn.Module):
         )
         self.shared_name = shared_name
         if moe.shared_expert_intermediate_size > 0:
+            # NOTE: no bias anywhere in a shared expert: forward may skip its row-parallel sum.
             self.add_module(
                 shared_name, dense_mlp(arch, context, moe.shared_expert_intermediate_size)
             )
@@ -101,14 +104,16 @@ class SparseMoeBlock(nn.Module):
             logits = F.linear(hidden_states.float(), self.gate.weight.float())
         else:
             logits = self.gate(hidden_states)
-        out = self.experts(hidden_states, logits)
-        shared = getattr(self, self.shared_name, None)
-        if shared is not None:
-            shared_out = shared(hidden_states)
-            if self.shared_expert_gate is not None:
-                shared_out = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared_out
-            out = out + shared_out
-        return out
+        shared: LlamaMLP | None = getattr(self, self.shared_name, None)
+        if shared is None:
+            return self.experts(hidden_states, logits)
+        # NOTE: the shared expert's down projection without its own all-reduce: its partial
+        # sum joins the routed experts' (the same TP ranks), one all-reduce for both.
+        act = shared.act_fn(shared.gate_up_proj(hidden_states))
+        shared_out = F.linear(act, shared.down_proj.weight)
+        if self.shared_expert_gate is not None:
+            shared_out = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared_out
+        return self.experts(hidden_states, logits, shared_output=shared_out)
 
 
 class MoeModelMixin(nn.Module):

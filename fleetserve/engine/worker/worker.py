@@ -269,6 +269,9 @@ class Worker:
             return f"device is {self.device.type!r}"
         model = self.model_runner.model
         assert model is not None, "load_model() must run first"
+        if getattr(model, "moe_layers", None) is not None:
+            # NOTE: both MoE paths read each step's per-expert token counts on the host.
+            return "MoE layers size their expert segments on the host (not capturable yet)"
         backend = model.attn_backend
         if backend.cuda_graph_support < CudaGraphSupport.UNIFORM_DECODE:
             return f"attention backend {backend.name!r} cannot be captured"
@@ -302,6 +305,13 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on this rank (see `ModelRunner.execute_model`)."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def moe_expert_slots(self) -> list[list[int]]:
+        """Per MoE layer of this rank (layer order), the physical expert slots it holds
+        (empty for a dense model)."""
+        model = self.model_runner.model
+        layers = getattr(model, "moe_layers", None)
+        return [] if layers is None else [list(m.local_physical_experts) for m in layers()]
 
     def shutdown(self) -> None:
         """Release the graphs, the model and the KV caches; the runner is gone afterwards.

@@ -4,6 +4,7 @@ unsharded layer."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -49,10 +50,11 @@ def test_softmax_topk_with_and_without_renormalisation() -> None:
 
 def _grouped_reference(
     logits: torch.Tensor, bias: torch.Tensor, groups: int, topk_groups: int, k: int, scale: float
-) -> tuple[list[list[int]], torch.Tensor]:
+) -> tuple[list[list[int]], list[dict[int, float]]]:
     """Token by token, as DeepSeek-V3 describes it: sigmoid scores, biased choice, groups scored
     by their two best biased scores, experts chosen only inside the best groups."""
-    chosen, weights = [], []
+    chosen: list[list[int]] = []
+    weights: list[dict[int, float]] = []
     for row in logits:
         scores = row.sigmoid()
         biased = (scores + bias).tolist()
@@ -66,7 +68,7 @@ def _grouped_reference(
         w = scores[top]
         chosen.append(sorted(top))
         weights.append(dict(zip(top, (w / w.sum() * scale).tolist(), strict=True)))
-    return chosen, weights  # type: ignore[return-value]
+    return chosen, weights
 
 
 def test_grouped_topk_with_correction_bias_matches_the_reference() -> None:
@@ -100,12 +102,8 @@ def test_grouped_topk_without_bias_scores_groups_by_their_best_expert() -> None:
         top_k=1, renormalize=False, scoring_func="sigmoid", num_expert_groups=2, topk_groups=1
     )
     assert select_experts(logits, config)[1].tolist() == [[0]]
-    biased = RoutingConfig(**{**_fields(config), "use_correction_bias": True})
+    biased = dataclasses.replace(config, use_correction_bias=True)
     assert select_experts(logits, biased, torch.zeros(4))[1].tolist() in ([[2]], [[3]])
-
-
-def _fields(config: RoutingConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
 
 
 def test_routing_refuses_what_cannot_apply() -> None:
@@ -124,7 +122,9 @@ def test_sort_by_expert_groups_pairs_and_drops_foreign_ones() -> None:
     assert order[:4].tolist() == [1, 4, 0, 3]
 
 
-def _dense_reference(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
+def _dense_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot in range(ids.shape[1]):
@@ -150,9 +150,16 @@ def test_torch_experts_match_the_per_token_loop() -> None:
 
 
 def _layer(
-    context: LayerContext, w13: torch.Tensor, w2: torch.Tensor, **kwargs: object
+    context: LayerContext,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    num_redundant_experts: int = 0,
+    physical_to_logical: list[int] | None = None,
 ) -> FusedMoE:
-    layer = FusedMoE(E, H, INTER, RoutingConfig(top_k=2, renormalize=True), context, **kwargs)  # type: ignore[arg-type]
+    layer = FusedMoE(
+        E, H, INTER, RoutingConfig(top_k=2, renormalize=True), context,
+        num_redundant_experts=num_redundant_experts, physical_to_logical=physical_to_logical,
+    )  # fmt: skip
     for e in range(E):
         layer.load_expert_weight(e, "gate", w13[e, :INTER], f"experts.{e}.w1.weight")
         layer.load_expert_weight(e, "up", w13[e, INTER:], f"experts.{e}.w3.weight")
@@ -162,17 +169,18 @@ def _layer(
     return layer
 
 
-@pytest.mark.parametrize(("ep_size", "tp_size"), [(2, 1), (4, 1), (1, 2)])
+@pytest.mark.parametrize(("ep_size", "tp_size"), [(2, 2), (4, 4), (1, 2)])
 def test_sharded_layers_sum_to_the_unsharded_layer(ep_size: int, tp_size: int) -> None:
-    """EP: each rank holds E / ep whole experts; TP without EP: every expert's INTER / tp rows.
+    """EP: each rank holds E / ep whole experts; TP without EP: each expert's INTER / tp rows.
     The sum over ranks of their outputs (what the all-reduce computes) is the full layer's."""
     w13, w2 = _random_experts()
     gen = torch.Generator().manual_seed(2)
     x, logits = torch.randn(13, H, generator=gen), torch.randn(13, E, generator=gen)
     full = _layer(_context(), w13, w2)(x, logits)
     parts = []
-    for rank in range(max(ep_size, tp_size)):
-        context = _context(rank % ep_size, ep_size, rank % tp_size, tp_size)
+    for rank in range(tp_size):
+        # With data_parallel_size 1 the EP group is the TP group (the experts are whole).
+        context = _context(rank if ep_size > 1 else 0, ep_size, rank, tp_size)
         layer = _layer(context, w13, w2)
         if ep_size > 1:
             local = layer.num_local_physical_experts
@@ -199,7 +207,7 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
     replicas share the tokens by (token + slot) % count, and outputs do not change."""
     w13, w2 = _random_experts()
     p2l = [*range(E), 3, 5]
-    layer = _layer(_context(1, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
+    layer = _layer(_context(1, 2, 1, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
     assert (layer.num_physical_experts, layer.num_local_physical_experts) == (10, 5)
     assert list(layer.local_physical_experts) == [5, 6, 7, 8, 9]
     # Local slot 3 = physical 8 = a replica of logical 3: loaded from expert 3's tensors.
@@ -220,7 +228,7 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
     layer(x, logits)
     assert int(layer.expert_load.sum()) == 9 * 2
     # Both EP ranks together equal the unsharded, unreplicated layer.
-    rank0 = _layer(_context(0, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
+    rank0 = _layer(_context(0, 2, 0, 2), w13, w2, num_redundant_experts=2, physical_to_logical=p2l)
     rank0.eplb_maps = layer.eplb_maps
     torch.testing.assert_close(
         rank0(x, logits) + layer(x, logits), _layer(_context(), w13, w2)(x, logits)
@@ -229,7 +237,9 @@ def test_eplb_maps_route_to_replicas_and_load_is_counted() -> None:
 
 def test_layer_refuses_bad_layouts() -> None:
     with pytest.raises(ValueError, match="must be divisible by the expert-parallel size"):
-        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 3))
+        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 3, 0, 3))
+    with pytest.raises(ValueError, match="needs data-parallel dispatch"):
+        FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(0, 2))
     with pytest.raises(ValueError, match="physical_to_logical must list 9"):
         FusedMoE(
             E, H, INTER, RoutingConfig(2, True), _context(), num_redundant_experts=1,
@@ -241,3 +251,26 @@ def test_layer_refuses_bad_layouts() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="eplb_maps must be set"):
         redundant.to_physical(torch.zeros(1, 2, dtype=torch.long))
+
+
+class _CountingTensor:
+    """A checkpoint tensor that records which experts' tensors were read (narrowed)."""
+
+    def __init__(self, tensor: torch.Tensor, expert: int, reads: list[int]) -> None:
+        self._tensor, self._expert, self._reads = tensor, expert, reads
+        self.shape = tensor.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self._reads.append(self._expert)
+        return self._tensor.narrow(dim, start, length)
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts() -> None:
+    w13, w2 = _random_experts()
+    layer = FusedMoE(E, H, INTER, RoutingConfig(2, True), _context(1, 4, 1, 4))
+    reads: list[int] = []
+    for e in range(E):
+        for part, tensor in (("gate", w13[e, :INTER]), ("up", w13[e, INTER:]), ("down", w2[e])):
+            layer.load_expert_weight(e, part, _CountingTensor(tensor, e, reads), f"e{e}.{part}")
+    assert sorted(set(reads)) == [2, 3] and len(reads) == 6
+    assert layer.fully_loaded()

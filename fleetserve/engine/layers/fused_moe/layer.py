@@ -20,7 +20,8 @@ Contract (what EPLB and data parallel build on; keep it exact):
   None, physical = logical, which needs R = 0 and the default `physical_to_logical`.
 - Load. When `expert_load` is a LongTensor[num_physical_experts] (else None), each forward adds
   its physical ids into it with one `index_add_` (no host sync, no Python loop). With both
-  attributes None the layer does nothing extra.
+  attributes None the layer does nothing extra. With data_parallel_size 1 every rank routes the
+  same (replicated, bit-identical) tokens, so each rank's count is already the global count.
 
 Parallelism. Without expert parallelism (ep_size 1) every rank holds all experts, each split
 over the tensor-parallel ranks like a dense MLP (I / tp rows of gate/up, the matching columns of
@@ -35,7 +36,7 @@ grouped-GEMM kernel, `fleetserve.kernels.fused_moe.fused_experts`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -43,7 +44,15 @@ from torch import nn
 from fleetserve.engine.layers.fused_moe.routing import RoutingConfig, select_experts
 from fleetserve.engine.layers.fused_moe.torch_experts import torch_experts
 from fleetserve.engine.layers.layer_context import LayerContext
-from fleetserve.engine.layers.linear import CheckpointTensor, copy_checked, split_evenly
+from fleetserve.engine.layers.linear import (
+    CheckpointTensor,
+    RowSlice,
+    copy_checked,
+    split_evenly,
+)
+
+if TYPE_CHECKING:
+    from fleetserve.engine.distributed.group import GroupCoordinator
 
 __all__ = ["MOE_BACKENDS", "EplbMaps", "FusedMoE"]
 
@@ -133,21 +142,7 @@ class FusedMoE(nn.Module):
         self._identity_map = num_redundant_experts == 0 and self.physical_to_logical == list(
             range(num_experts)
         )
-        if self.ep_size > 1:
-            if context.tp_size > 1 and context.tp_size != self.ep_size:
-                # NOTE: EP over DP × TP needs a dispatch of each DP rank's tokens first.
-                raise ValueError(
-                    f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
-                    f"{context.tp_size} needs data-parallel dispatch, which is not built; "
-                    "the expert-parallel group must be the tensor-parallel group"
-                )
-            self.inter_slice = split_evenly(intermediate_size, 0, 1, what="intermediate_size")
-            self.reduce_group = context.ep_group
-        else:
-            self.inter_slice = split_evenly(
-                intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
-            )
-            self.reduce_group = context.tp_group
+        self.inter_slice, self.reduce_group = self._split(context, intermediate_size)
         local, inter = self.num_local_physical_experts, self.inter_slice.size
         self.hidden_size = hidden_size
         self.w13_weight = _parameter((local, 2 * inter, hidden_size), context)
@@ -163,6 +158,33 @@ class FusedMoE(nn.Module):
         self.expert_load: torch.Tensor | None = None
         """Set by EPLB: LongTensor [num_physical_experts], each forward's physical ids counted."""
         self._loaded: set[tuple[int, str]] = set()
+
+    def _split(
+        self, context: LayerContext, intermediate_size: int
+    ) -> tuple[RowSlice, GroupCoordinator | None]:
+        """The intermediate rows each expert keeps here, and the group its output is summed
+        over: whole experts and the EP group under expert parallelism, else I / tp rows and
+        the TP group (None with one rank)."""
+        if self.ep_size == 1:
+            rows = split_evenly(
+                intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
+            )
+            return rows, context.tp_group
+        if context.tp_size != self.ep_size:
+            # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others first
+            # (all-gather / all-to-all); only the replicated-hidden case is built.
+            raise ValueError(
+                f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
+                f"{context.tp_size} needs data-parallel dispatch, which is not built; "
+                "the expert-parallel group must be the tensor-parallel group"
+            )
+        whole = RowSlice(intermediate_size, 0, intermediate_size)
+        tp_group, ep_group = context.tp_group, context.ep_group
+        # NOTE: with data_parallel_size 1 the EP group has the TP group's ranks, and the TP
+        # coordinator carries the one-host shared-memory all-reduce: sum over it.
+        if tp_group is not None and ep_group is not None and tp_group.ranks == ep_group.ranks:
+            return whole, tp_group
+        return whole, ep_group
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -200,9 +222,19 @@ class FusedMoE(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden [T, H], router logits [T, L] → the weighted sum of each token's experts [T, H]
-        (summed over the tensor- or expert-parallel group)."""
+        (summed over the tensor- or expert-parallel group).
+
+        `shared_output`, when given, is this rank's partial [T, H] of a shared expert on the
+        same tokens (its tensor-parallel slice, not yet summed; the group here has the TP
+        ranks): it is added before the sum, so one all-reduce combines both.
+        """
         weights, logical = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         physical = self.to_physical(logical)
         if self.expert_load is not None:
@@ -217,6 +249,8 @@ class FusedMoE(nn.Module):
             )
         else:
             out = torch_experts(hidden_states, self.w13_weight, self.w2_weight, weights, local)
+        if shared_output is not None:
+            out = out + shared_output
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out
