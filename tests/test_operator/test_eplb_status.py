@@ -61,3 +61,20 @@ def test_only_eplb_roles_are_watched() -> None:
         }
     )
     assert eplb_roles(spec) == ["decode"]
+
+
+def test_the_watch_serves_only_deployments_running_eplb() -> None:
+    from fleetserve.operator.eplb_status import EplbStatusWatch
+
+    watch = EplbStatusWatch(kube=None, lock_for=lambda key: None)  # type: ignore[arg-type]
+    meta = {"namespace": "ns", "name": "d"}
+    eplb_on = {"roles": {"decode": {"eplb": {"enabled": True}}}}
+    watch.track({"metadata": meta, "spec": {"roles": {"decode": {}}}})
+    assert watch.targets == {}
+    watch.track({"metadata": meta, "spec": eplb_on})
+    assert watch.targets == {"ns/d": ("ns", "d")}
+    watch.track({"metadata": {**meta, "deletionTimestamp": "now"}, "spec": eplb_on})
+    assert watch.targets == {}
+    watch.track({"metadata": meta, "spec": eplb_on})
+    watch.forget("ns", "d")
+    assert watch.targets == {}
