@@ -56,8 +56,11 @@ chat: setup ## Chat offline with the bundled SmolLM2-135M-Instruct (one process,
 	$(PY) -m fleetserve chat --max-tokens 64 "What is the capital of France?"
 
 .PHONY: test
+# Two workers: the k8s tests wait on the control plane most of the time, so the engine tests fill
+# the other core meanwhile (tests/conftest.py keeps each module, and all k8s tests, on one worker).
+TEST_WORKERS ?= 2
 test: setup dev-cluster-bin ## Run the whole test suite (builds the dev-cluster binaries once)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 ##@ Development
 

@@ -63,7 +63,21 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_CISkipGuard(), "ci-skip-guard")
 
 
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup`, which tests must share a worker.
+
+    Every k8s-marked test shares one worker: they share the session's one dev cluster, and two
+    control planes at once would only slow both. Every other module stays whole on one worker, so
+    its module-scoped engines start once, not once per worker.
+    """
+    for item in items:
+        group = "k8s" if "k8s" in item.keywords else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        _group_for_workers(items)
     if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
