@@ -167,7 +167,10 @@ def test_out_of_range_blocks(pair: Pair) -> None:
 
 
 def test_push_over_a_dropped_connection_fails_and_is_not_replayed() -> None:
-    blocks, chunk = 65536, 1 << 19  # 2 x 8 MiB in 32 requests of 512 KiB on one lane
+    # 2 x 8 MiB in 128 requests of 128 KiB on one lane: a push that lasts long enough for the
+    # peer's drop thread to be scheduled before it ends, even on a loaded machine (with 32
+    # requests, five pushes in a row once finished before the drop came).
+    blocks, chunk = 65536, 1 << 17
     pair = start_pair(
         "tcp",
         layers=1,
@@ -177,7 +180,7 @@ def test_push_over_a_dropped_connection_fails_and_is_not_replayed() -> None:
     try:
         copies = [BlockCopy(kv_region_name(0, k), range(blocks), range(blocks)) for k in "kv"]
         chunks = 2 * blocks * 128 // chunk
-        for attempt in range(5):
+        for attempt in range(10):
             served_before = pair.peer.call("stats")["served_requests"]
             before = pair.peer.caches()
             pair.peer.call("drop_after", served_before + 2)  # tear down mid-push
