@@ -34,6 +34,10 @@ from fleetserve.engine.config import (
     resolve_device,
     resolve_dtype,
 )
+from fleetserve.engine.quantization.resolve import (
+    QuantizationConfig,
+    resolve_engine_quantization,
+)
 from fleetserve.envs import Env, env_name, read_env
 
 __all__ = ["EngineArgs"]
@@ -102,6 +106,16 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
     )
+    quantization: str | None = _arg(
+        None, "quantized linear layers: online int8_per_channel_weight_only (int8), "
+        "fp8_per_tensor (fp8), online (from --quantization-config), or compressed-tensors (a "
+        "quantized checkpoint; also the default when config.json has quantization_config)",
+    )  # fmt: skip
+    quantization_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None, 'online quantization, JSON: {"linear": "int8_per_channel_static", "ignore": '
+        '["re:.*down_proj"], "targets": {"model.layers.0.*": "fp8_per_tensor"}} (targets '
+        "excludes linear/moe)",
+    )  # fmt: skip
 
     @classmethod
     def names(cls) -> list[str]:
@@ -242,6 +256,7 @@ class EngineArgs:
                 max_model_len,
                 kv_transfer=self.kv_transfer_config is not None,
             ),
+            quantization=_quantization(self, hf_config),
         )
 
 
@@ -345,6 +360,24 @@ def _speculative_config(
             f"its max_position_embeddings is {draft_limit}"
         )
     return spec
+
+
+def _quantization(args: EngineArgs, hf_config: dict[str, Any]) -> QuantizationConfig | None:
+    quant = resolve_engine_quantization(args.quantization, args.quantization_config, hf_config)
+    if quant is None:
+        return None
+    spec = args.speculative_config or {}
+    if spec.get("method") == "draft_model":
+        raise ValueError(
+            "speculative_config method 'draft_model' with quantization is not implemented (the "
+            "draft would be quantized by the target's layer patterns); use method 'ngram'"
+        )
+    if quant.checkpoint is not None and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={args.tensor_parallel_size} with a compressed-tensors "
+            "checkpoint is not implemented yet; pre-quantized checkpoints load on one rank"
+        )
+    return quant
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:
