@@ -1,11 +1,13 @@
 """Online weight-only int8, one symmetric scale per output channel (runs on the CPU).
 
 The checkpoint's weight is loaded in the engine dtype as usual; after loading each row is
-quantized to int8 with scale = max|row| / 127 and the full-precision weight is freed. The matmul
-is torch's weight-only int8 kernel (`torch._weight_int8pack_mm`: int8 weights, per-channel
-scales, activations in the engine dtype) on the CPU, where `fleetserve bench quant` measured it
-against dequantizing per call; on other devices the weight is dequantized per call. Both equal
-the dequantized reference `x @ (q * scale)^T` up to float rounding.
+quantized to int8 with scale = max|row| / 127 and the full-precision weight is freed. Each call
+dequantizes the layer's weight into the activation dtype and multiplies (`x @ (q * scale)^T`,
+exactly the reference), so at rest the weights take a quarter of fp32 and at most one layer's
+full-precision copy exists at a time. torch's weight-only int8 kernel
+(`torch._weight_int8pack_mm`) was the alternative; `fleetserve bench quant --matmul` times both
+on the model's shapes, and on our 2-core CPU the kernel was many times slower at batch 8 and not
+reliably faster at batch 1, so the method dequantizes (see docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -46,10 +48,6 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     name = "int8_per_channel_weight_only"
 
-    def __init__(self, *, use_int8_kernel: bool = True) -> None:
-        self.use_int8_kernel = use_int8_kernel
-        """False: always dequantize per call (the bench compares both)."""
-
     def create_weights(self, layer: Linear, dtype: torch.dtype, device: torch.device) -> None:
         # NOTE: loaded in full precision; quantized in process_weights_after_loading.
         UnquantizedLinearMethod().create_weights(layer, dtype, device)
@@ -62,9 +60,4 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = param(layer, "weight"), param(layer, "weight_scale")
-        if self.use_int8_kernel and x.device.type == "cpu":
-            x2 = x.reshape(-1, x.shape[-1])
-            out = torch._weight_int8pack_mm(x2.contiguous(), q, scale)
-            out = out.reshape(*x.shape[:-1], q.shape[0])
-            return out if bias is None else out + bias
         return F.linear(x, dequantize_int8(q, scale, x.dtype), bias)
