@@ -114,9 +114,9 @@ def build_layer_context(
     """
     device = torch.device(config.device.device)
     custom_ops = config.device.custom_ops
-    if custom_ops == "triton" and device.type != "cuda" and not is_interpreter():
+    if custom_ops != "torch" and device.type != "cuda" and not is_interpreter():
         raise ValueError(
-            "custom_ops 'triton' runs on device 'cpu' only in Triton's interpreter "
+            f"custom_ops {custom_ops!r} runs on device 'cpu' only in Triton's interpreter "
             "(set TRITON_INTERPRET=1), or use custom_ops 'torch'"
         )
     return LayerContext(
