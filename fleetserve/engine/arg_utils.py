@@ -34,6 +34,8 @@ from fleetserve.engine.config import (
     resolve_device,
     resolve_dtype,
 )
+from fleetserve.engine.custom_ops import resolve_custom_ops
+from fleetserve.engine.generation_config import load_generation_defaults
 from fleetserve.engine.quantization.resolve import (
     QuantizationConfig,
     resolve_engine_quantization,
@@ -74,8 +76,10 @@ class EngineArgs:
     full_sequence_must_fit: bool = _arg(False, "admit only when prompt + max_tokens fit")
     attention_backend: str = _arg("auto", "attention implementation",
                                   choices=("auto", "torch", "triton", "flash_attn"))  # fmt: skip
-    custom_ops: str = _arg("auto", "RMSNorm, rotary and SiLU kernels (auto: triton on CUDA)",
-                           choices=("auto", "torch", "triton"))  # fmt: skip
+    custom_ops: str = _arg("auto", "which of RMSNorm, rotary and SiLU-and-mul run as custom "
+                           "kernels: all, none, or +op/-op over the platform default (all on "
+                           "CUDA), e.g. none,+rms_norm (names: rms_norm, rotary, silu_and_mul; "
+                           "triton/torch = all/none)")  # fmt: skip
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
@@ -116,6 +120,9 @@ class EngineArgs:
         '["re:.*down_proj"], "targets": {"model.layers.0.*": "fp8_per_tensor"}} (targets '
         "excludes linear/moe)",
     )  # fmt: skip
+    generation_config: str = _arg("auto", "where sampling defaults come from: auto (the "
+                                  "model's generation_config.json), vllm (neutral), or a "
+                                  "folder with generation_config.json")  # fmt: skip
 
     @classmethod
     def names(cls) -> list[str]:
@@ -186,9 +193,7 @@ class EngineArgs:
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         device = resolve_device(self.device)
-        custom_ops = self.custom_ops
-        if custom_ops == "auto":
-            custom_ops = "triton" if device == "cuda" else "torch"
+        custom_ops = resolve_custom_ops(self.custom_ops, device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
         max_model_len = model_limit if self.max_model_len is None else self.max_model_len
         if max_model_len > model_limit:
@@ -257,6 +262,7 @@ class EngineArgs:
                 kv_transfer=self.kv_transfer_config is not None,
             ),
             quantization=_quantization(self, hf_config),
+            generation=load_generation_defaults(self.generation_config, model),
         )
 
 
