@@ -122,7 +122,8 @@ def run_engine(
 
     quantization = None if name in ("fp32", "bf16", "none") else name
     llm = LLM(model, dtype=args.dtype, device=args.device, quantization=quantization,
-              max_model_len=1024, max_num_seqs=max(args.batch_sizes), seed=args.seed,
+              max_model_len=max(len(prompt) + 2, args.input_len + args.steps + 4),
+              max_num_seqs=max(args.batch_sizes), seed=args.seed,
               enable_prefix_caching=False)  # fmt: skip
     top1, own = _text_logprobs(llm, prompt)
     reference = top1 if baseline_top1 is None else baseline_top1
@@ -207,6 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--text", default=FIXED_TEXT, help="the text scored (default: fixed)")
     parser.add_argument("--matmul", action="store_true", help="also time the int8 matmul paths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -217,7 +219,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from fleetserve.engine.tokenizer import load_tokenizer
 
     model = args.model or str(bundled_model_path())
-    prompt = list(load_tokenizer(model)(FIXED_TEXT)["input_ids"])
+    prompt = list(load_tokenizer(model)(args.text)["input_ids"])
     rows: list[QuantRow] = []
     baseline: list[int] | None = None
     shapes: list[tuple[int, int]] = []

@@ -1,16 +1,6 @@
-"""Pre-quantized checkpoints in the compressed-tensors `pack-quantized` format (weight-only
-int4 or int8, symmetric, per group or per channel), dequantized per call in torch.
-
-The format (as llm-compressor writes it): config.json's `quantization_config` has
-`quant_method: "compressed-tensors"`, `format: "pack-quantized"`, one config group
-`{"targets": ["Linear"], "weights": {"num_bits", "type": "int", "symmetric": true,
-"strategy": "group" | "channel", "group_size"}, "input_activations": null}` and an `ignore`
-list of layer names. Each quantized linear layer `X` stores `X.weight_packed` (int32
-[out, ceil(in / (32 / num_bits))]: value q of column c, offset to unsigned by 2^(num_bits-1),
-sits in bits [num_bits * (c % f), ...) of word c // f, f = 32 / num_bits), `X.weight_scale`
-([out, in / group_size], or [out, 1] per channel) and `X.weight_shape` ([out, in]; the layer
-knows its shape, so it is not read). The weight is q * scale of its group. Ignored layers keep a
-plain `X.weight`.
+"""The compressed-tensors `pack-quantized` linear method: int4/int8 weights packed in int32
+words (`ct_scheme` describes the format), unpacked and dequantized per call in torch on any
+device; the matmul is then the engine dtype's `F.linear`.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_targets_select_ignore_skips_and_unmatched_patterns_warn(
             "targets": {"re:.*\\.mlp\\..*": "int8_per_channel_static",
                         "model.layers.0.self_attn.o_proj": "fp8_per_tensor_static",
                         "model.layers.9.*": "int8_per_channel_static"},
-            "ignore": ["model.layers.1.mlp.gate_up_proj", "re:nothing\\..*"],
+            "ignore": ["model.layers.1.mlp.gate_up*", "re:nothing\\..*"],
         })  # fmt: skip
     assert methods["model.layers.0.mlp.gate_up_proj"] == "int8_per_channel_weight_only"
     assert methods["model.layers.1.mlp.down_proj"] == "int8_per_channel_weight_only"
