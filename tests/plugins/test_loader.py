@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from fleetserve.engine.models import oot_registry
 from fleetserve.envs import read_env
 from fleetserve.plugins.loader import GENERAL_GROUP, SERVER_GROUP, PluginLoader
 from tests.plugins.plugin_package import write_plugin_package
@@ -22,6 +23,9 @@ def plugin_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
+    # NOTE: the general plugin registered its architecture in this process; later tests must
+    # not see a class whose package left sys.path.
+    oot_registry._REGISTERED.pop("TinyOotForCausalLM", None)
     for name in [m for m in sys.modules if m.split(".")[0] == "fsplug_test"]:
         del sys.modules[name]
 

@@ -3,7 +3,8 @@
 A general plugin (`fleetserve.plugins.loader`) runs in every process, so the registration must
 not import torch or the model in the API server: an architecture is registered by the
 qualified name of its class (`"pkg.module:ClassName"`), imported only when the engine builds
-the model (`fleetserve.engine.models.registry` merges these with the built-in ones).
+the model (`fleetserve.engine.models.registry` looks here for an architecture it does not have,
+so a broken registration fails only the model that names it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["out_of_tree_architectures", "register_model"]
+__all__ = ["out_of_tree_class", "register_model", "registered_architectures"]
 
 # NOTE: process state by design: plugins fill it at start-up in each process that builds models.
 _REGISTERED: dict[str, str] = {}
@@ -36,20 +37,25 @@ def register_model(architecture: str, qualname: str) -> None:
     _REGISTERED[architecture] = qualname
 
 
-def out_of_tree_architectures() -> dict[str, Any]:
-    """Architecture → class, importing each registered class.
+def registered_architectures() -> list[str]:
+    """The architectures plugins registered in this process."""
+    return sorted(_REGISTERED)
+
+
+def out_of_tree_class(architecture: str) -> Any:
+    """The registered class of `architecture` (imported now), or None when none is registered.
 
     Raises:
-        ValueError: a registered class that cannot be imported (named).
+        ValueError: the registered class does not import (named).
     """
-    classes: dict[str, Any] = {}
-    for architecture, qualname in _REGISTERED.items():
-        module, _, attr = qualname.partition(":")
-        try:
-            classes[architecture] = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(
-                f"architecture {architecture!r} is registered to {qualname!r}, which does not "
-                f"import: {exc}"
-            ) from exc
-    return classes
+    qualname = _REGISTERED.get(architecture)
+    if qualname is None:
+        return None
+    module, _, attr = qualname.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"architecture {architecture!r} is registered to {qualname!r}, which does not "
+            f"import: {exc}"
+        ) from exc
