@@ -58,6 +58,9 @@ class Env:
     leader_address: str | None = None
     """Address of the group's pod 0 (its DNS name on a cluster), where the other pods join its
     process group."""
+    plugins: str | None = None
+    """The plugin allowlist: comma-separated entry-point names (`fleetserve.plugins.loader`).
+    Unset: every general plugin, no server plugin; the empty string: none (kept as a value)."""
 
     @property
     def cache_root(self) -> Path:
@@ -86,10 +89,15 @@ def _base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
+_EMPTY_IS_A_VALUE = ("plugins",)
+"""Variables whose empty value differs from unset (an empty allowlist allows nothing)."""
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """Parse every declared variable from `environ` (default `os.environ`).
 
-    Empty values count as unset. Undeclared `FLEETSERVE_*` variables are logged as a warning.
+    Empty values count as unset (except for `_EMPTY_IS_A_VALUE`). Undeclared `FLEETSERVE_*`
+    variables are logged as a warning.
 
     Raises:
         ValueError: a value does not parse as its type (the message names the variable).
@@ -100,7 +108,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
     for f in fields(Env):
         name = env_name(f.name)
         raw = environ.get(name, "")
-        if raw == "":
+        if raw == "" and not (f.name in _EMPTY_IS_A_VALUE and name in environ):
             continue
         kind = _base_type(hints[f.name])
         try:

@@ -76,6 +76,16 @@ class ModelSpec(_Model):
     max_model_len: int | None = Field(default=None, ge=1)
     moe: bool = Field(default=False, description="the architecture has MoE layers")
     block_size: int = Field(default=16, ge=1)
+    quantization: (
+        Literal[
+            "int8", "int8_per_channel_weight_only", "fp8", "fp8_per_tensor", "compressed-tensors"
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="quantized linear layers (`--quantization`): int8 weight-only or fp8 online, "
+        "or compressed-tensors for a quantized checkpoint (unset: as the checkpoint is)",
+    )
 
 
 class EngineSpec(_Model):

@@ -34,7 +34,13 @@ from fleetserve.engine.config import (
     resolve_device,
     resolve_dtype,
 )
+from fleetserve.engine.custom_ops import resolve_custom_ops
 from fleetserve.engine.eplb.args import check_eplb_args
+from fleetserve.engine.generation_config import load_generation_defaults
+from fleetserve.engine.quantization.resolve import (
+    QuantizationConfig,
+    resolve_engine_quantization,
+)
 from fleetserve.envs import Env, env_name, read_env
 
 __all__ = ["EngineArgs"]
@@ -71,8 +77,10 @@ class EngineArgs:
     full_sequence_must_fit: bool = _arg(False, "admit only when prompt + max_tokens fit")
     attention_backend: str = _arg("auto", "attention implementation",
                                   choices=("auto", "torch", "triton", "flash_attn"))  # fmt: skip
-    custom_ops: str = _arg("auto", "RMSNorm, rotary and SiLU kernels (auto: triton on CUDA)",
-                           choices=("auto", "torch", "triton"))  # fmt: skip
+    custom_ops: str = _arg("auto", "which of RMSNorm, rotary and SiLU-and-mul run as custom "
+                           "kernels: all, none, or +op/-op over the platform default (all on "
+                           "CUDA), e.g. none,+rms_norm (names: rms_norm, rotary, silu_and_mul; "
+                           "triton/torch = all/none)")  # fmt: skip
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
@@ -108,6 +116,19 @@ class EngineArgs:
     eplb_use_async: bool = _arg(
         False, "EPLB: move expert weights in the background, switch between steps"
     )
+    quantization: str | None = _arg(
+        None, "quantized linear layers: online int8_per_channel_weight_only (int8), "
+        "fp8_per_tensor (fp8), online (from --quantization-config), or compressed-tensors (a "
+        "quantized checkpoint; also the default when config.json has quantization_config)",
+    )  # fmt: skip
+    quantization_config: dict[str, Any] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None, 'online quantization, JSON: {"linear": "int8_per_channel_static", "ignore": '
+        '["re:.*down_proj"], "targets": {"model.layers.0.*": "fp8_per_tensor"}} (targets '
+        "excludes linear/moe)",
+    )  # fmt: skip
+    generation_config: str = _arg("auto", "where sampling defaults come from: auto (the "
+                                  "model's generation_config.json), vllm (neutral), or a "
+                                  "folder with generation_config.json")  # fmt: skip
 
     @classmethod
     def names(cls) -> list[str]:
@@ -187,9 +208,7 @@ class EngineArgs:
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         device = resolve_device(self.device)
-        custom_ops = self.custom_ops
-        if custom_ops == "auto":
-            custom_ops = "triton" if device == "cuda" else "torch"
+        custom_ops = resolve_custom_ops(self.custom_ops, device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
         max_model_len = model_limit if self.max_model_len is None else self.max_model_len
         if max_model_len > model_limit:
@@ -259,6 +278,8 @@ class EngineArgs:
                 max_model_len,
                 kv_transfer=self.kv_transfer_config is not None,
             ),
+            quantization=_quantization(self, hf_config),
+            generation=load_generation_defaults(self.generation_config, model),
         )
 
 
@@ -379,6 +400,24 @@ def _speculative_config(
             f"its max_position_embeddings is {draft_limit}"
         )
     return spec
+
+
+def _quantization(args: EngineArgs, hf_config: dict[str, Any]) -> QuantizationConfig | None:
+    quant = resolve_engine_quantization(args.quantization, args.quantization_config, hf_config)
+    if quant is None:
+        return None
+    spec = args.speculative_config or {}
+    if spec.get("method") == "draft_model":
+        raise ValueError(
+            "speculative_config method 'draft_model' with quantization is not implemented (the "
+            "draft would be quantized by the target's layer patterns); use method 'ngram'"
+        )
+    if quant.checkpoint is not None and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={args.tensor_parallel_size} with a compressed-tensors "
+            "checkpoint is not implemented yet; pre-quantized checkpoints load on one rank"
+        )
+    return quant
 
 
 def _check_group_env(args: EngineArgs, env: Env) -> None:

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from fleetserve.engine.custom_ops import is_resolved_custom_ops
+from fleetserve.engine.generation_config import GenerationDefaults
+from fleetserve.engine.quantization.resolve import QuantizationConfig
+
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -425,9 +429,9 @@ class DeviceConfig:
             self.attention_backend,
         )
         _require(
-            self.custom_ops in _CUSTOM_OPS[1:],
+            is_resolved_custom_ops(self.custom_ops),
             "custom_ops",
-            f"one of {_CUSTOM_OPS[1:]}",
+            f"one of {_CUSTOM_OPS[1:]} or '+op,...' (fleetserve.engine.custom_ops)",
             self.custom_ops,
         )
         _require(
@@ -452,6 +456,10 @@ class EngineConfig:
     """The KV connector of a P/D engine; None = no connector (a colocated engine)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None = off."""
+    quantization: QuantizationConfig | None = None
+    """Quantized linear layers (online or a quantized checkpoint's); None = the engine dtype."""
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """Sampling defaults for what a request leaves unset (`--generation-config`)."""
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -7,7 +7,7 @@ import inspect
 import itertools
 import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from fleetserve.engine.arg_utils import EngineArgs
@@ -49,6 +49,11 @@ class LLM:
 
     # -- public API ---------------------------------------------------------------------------
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with the `--generation-config` defaults (what `generate` uses when
+        given none)."""
+        return SamplingParams(**self.config.generation.overrides())
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -62,7 +67,9 @@ class LLM:
             ValueError: an invalid prompt or sampling parameter (nothing is run then).
         """
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        params_list = _broadcast_params(
+            sampling_params, len(prompt_list), self.get_default_sampling_params
+        )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")
         # Validate everything first so an invalid prompt never leaves others half-submitted.
@@ -224,10 +231,12 @@ LLM.__init__.__signature__ = _signature_from_engine_args()  # type: ignore[attr-
 
 
 def _broadcast_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    count: int,
+    default: Callable[[], SamplingParams],
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [default() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

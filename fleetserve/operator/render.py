@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     "--eplb-policy",
     "--eplb-use-async",
     "--kv-transfer-config",
+    "--quantization",
 )
 """Every `fleetserve serve` flag `engine_args` can render (besides the user's `engine.args`)."""
 
@@ -135,6 +136,8 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
     ]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.model.quantization is not None:
+        args += ["--quantization", spec.model.quantization]
     for flag, size in (
         ("--tensor-parallel-size", p.tensor),
         ("--pipeline-parallel-size", p.pipeline),

@@ -48,6 +48,7 @@ from fleetserve.openai.protocol import (
     TokenizeResponse,
     messages_as_dicts,
 )
+from fleetserve.plugins.loader import process_plugins
 from fleetserve.server.serving import OpenAIServing
 from fleetserve.server.serving_chat import create_chat_completion
 from fleetserve.server.serving_completion import create_completion
@@ -118,6 +119,11 @@ def create_app(config: ServerConfig, engine_client: EngineClient | None = None) 
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/v1/plugins", _plugins)
+    # NOTE: general plugins run in this process too; server plugins add routes (allowlisted).
+    plugins = process_plugins()
+    plugins.run_general()
+    plugins.apply_server(app)
     return app
 
 
@@ -194,6 +200,14 @@ async def _models(request: web.Request) -> web.Response:
         max_model_len=config.engine.model.max_model_len,
     )
     return _json(ModelList(data=[card]).model_dump_json())
+
+
+async def _plugins(request: web.Request) -> web.Response:
+    """The plugins this API server process found: loaded, failed or denied (the engine
+    processes load the same general plugins from the same environment)."""
+    del request
+    records = [r.as_dict() for r in process_plugins().records()]
+    return web.json_response({"object": "list", "data": records})
 
 
 async def _kv_transfer(request: web.Request) -> web.Response:

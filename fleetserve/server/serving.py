@@ -88,6 +88,7 @@ class OpenAIServing:
         self.tokenizer: PreTrainedTokenizerBase | None = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
         self.scheduling_policy = engine.config.scheduler.policy
+        self.generation_defaults = engine.config.generation
 
     def check_body(self, body: SamplingRequest) -> None:
         """Refuse what this server would otherwise ignore (each a 400 naming the field)."""

@@ -62,7 +62,9 @@ async def create_chat_completion(
         raise RequestError(400, str(exc), param="messages") from exc
     context_left = max(1, serving.max_model_len - len(prompt_ids))
     try:
-        params = chat_sampling_params(body, default_max_tokens=context_left)
+        params = chat_sampling_params(
+            body, default_max_tokens=context_left, defaults=serving.generation_defaults
+        )
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, [(prompt_ids, None)], params, "chatcmpl")

@@ -65,7 +65,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         for p in prompts
     ]
     try:
-        params = completion_sampling_params(body)
+        params = completion_sampling_params(body, serving.generation_defaults)
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, encoded, params, "cmpl")

@@ -253,7 +253,13 @@ def _maximal_spec() -> InferenceDeploymentSpec:
         "eplb": {"enabled": True, "useAsync": True},
     }
     return _spec(
-        model={"name": "m", "source": {"uri": "/m"}, "moe": True, "maxModelLen": 64},
+        model={
+            "name": "m",
+            "source": {"uri": "/m"},
+            "moe": True,
+            "maxModelLen": 64,
+            "quantization": "int8",
+        },
         roles={"prefill": role, "decode": role},
     )
 

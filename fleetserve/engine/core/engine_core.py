@@ -41,6 +41,7 @@ from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.structured_output.factory import create_manager
 from fleetserve.engine.worker.executor import Executor, ExecutorDeadError
+from fleetserve.plugins.loader import load_general_plugins
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, *, max_concurrent_batches: int | None = None) -> None:
+        load_general_plugins()  # before the executor builds the model (a plugin's architecture)
         self.config = config
         executor_cls = Executor.get_class(config.parallel)
         self.executor: Executor = executor_cls(config)

@@ -18,11 +18,11 @@ class SiluAndMul(nn.Module):
 
     def __init__(self, context: LayerContext) -> None:
         super().__init__()
-        self.use_triton = context.use_triton_ops
+        self.use_triton = context.use_custom_op("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from fleetserve.kernels.silu_and_mul import silu_and_mul
+            from fleetserve.kernels.custom_ops import silu_and_mul
 
             return silu_and_mul(x)
         d = x.shape[-1] // 2

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fleetserve.engine.custom_ops import is_resolved_custom_ops, uses_custom_op
+
 if TYPE_CHECKING:
     from fleetserve.engine.distributed.group import GroupCoordinator
 
@@ -28,8 +30,8 @@ class LayerContext:
     device: torch.device
     """Where parameters and tables are allocated."""
     custom_ops: str = "torch"
-    """RMSNorm, rotary and SiLU-and-mul as eager torch ops ('torch') or the fused kernels of
-    `fleetserve.kernels` ('triton')."""
+    """RMSNorm, rotary and SiLU-and-mul as eager torch ops ('torch'), the fused kernels of
+    `fleetserve.kernels` ('triton'), or '+op,...' for exactly those ops (`use_custom_op`)."""
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: GroupCoordinator | None = field(default=None, compare=False)
@@ -50,7 +52,7 @@ class LayerContext:
     """Extra physical expert slots of every MoE layer (EPLB replicas; 0 without EPLB)."""
 
     def __post_init__(self) -> None:
-        if self.custom_ops not in CUSTOM_OPS:
+        if self.custom_ops not in CUSTOM_OPS and not is_resolved_custom_ops(self.custom_ops):
             raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
@@ -86,3 +88,8 @@ class LayerContext:
     @property
     def use_triton_ops(self) -> bool:
         return self.custom_ops == "triton"
+
+    def use_custom_op(self, name: str) -> bool:
+        """Whether op `name` ('rms_norm', 'rotary', 'silu_and_mul') runs as its custom kernel
+        (`fleetserve.kernels.custom_ops`) rather than its torch reference."""
+        return uses_custom_op(self.custom_ops, name)

@@ -13,6 +13,12 @@ the K/V heads of a model with fewer KV heads than ranks, the one head this rank'
 read (`qkv_slices`: KV heads are replicated). Loading reads only those rows (or columns) of the
 checkpoint tensor (`CheckpointTensor.narrow`: a safetensors slice), so no rank materialises a
 tensor it does not own. With one rank every layer is the plain single-device one.
+
+How a layer stores and applies its weight is its quant method
+(`fleetserve.engine.quantization.method`): unquantized (one `weight` in the engine dtype,
+`F.linear`) unless `set_quant_method` gives it another after construction. A method's parameters
+keep the weight's output rows on dim 0 and may pack the input dim by a whole factor, so the same
+row and column slicing loads them.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.engine.layers.layer_context import LayerContext
+from fleetserve.engine.quantization.method import LinearMethod, UnquantizedLinearMethod
 
 __all__ = [
     "CheckpointTensor",
@@ -133,17 +139,28 @@ def _parameter(shape: tuple[int, ...], context: LayerContext) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x W^T (+ b); W [output_size, input_size], replicated on every rank."""
 
+    weight: nn.Parameter
+    """Registered by the quant method (absent for methods that store it packed)."""
+
     def __init__(
         self, input_size: int, output_size: int, context: LayerContext, *, bias: bool
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _parameter((output_size, input_size), context)
+        self.quant_method: LinearMethod = UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, context.dtype, context.device)
         self.bias: nn.Parameter | None = _parameter((output_size,), context) if bias else None
 
+    def set_quant_method(
+        self, method: LinearMethod, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Replace the weight's storage with `method`'s (before loading; the bias stays)."""
+        self.quant_method = method
+        method.create_weights(self, dtype, device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def load_weight(
         self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard: int | None = None
@@ -212,7 +229,7 @@ class RowParallelLinear(Linear):
         self.tp_group = context.tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.quant_method.apply(self, x, None)
         if self.tp_group is not None:
             out = self.tp_group.all_reduce(out)
         if self.bias is not None:
@@ -222,14 +239,24 @@ class RowParallelLinear(Linear):
     def load_weight(
         self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard: int | None = None
     ) -> None:
-        """The weight's columns of this rank; the bias whole (it is added after the sum)."""
-        if param is self.bias:
+        """The weight's columns of this rank; the bias whole (it is added after the sum).
+
+        A quant method's parameter whose columns pack (or group) the input by a factor
+        (`param.shape[1]` = input columns / factor) is sliced by the same factor.
+        """
+        if param is self.bias or param.dim() != 2:
             super().load_weight(param, loaded, name)
             return
         cols = self.columns
-        if len(loaded.shape) != 2 or loaded.shape[1] != cols.full:
+        factor, rest = divmod(cols.size, param.shape[1])
+        if rest or cols.start % factor:
             raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected "
-                f"{cols.full} columns"
+                f"{name}: this rank's {cols.size} input columns do not split into its "
+                f"{param.shape[1]} packed columns"
             )
-        copy_checked(param.data, loaded.narrow(1, cols.start, cols.size), name)
+        full, start, size = cols.full // factor, cols.start // factor, param.shape[1]
+        if len(loaded.shape) != 2 or loaded.shape[1] != full:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected {full} columns"
+            )
+        copy_checked(param.data, loaded.narrow(1, start, size), name)

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, context: LayerContext) -> None:
         super().__init__()
         self.eps = eps
-        self.use_triton = context.use_triton_ops
+        self.use_triton = context.use_custom_op("rms_norm")
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=context.dtype, device=context.device),
             requires_grad=False,
@@ -36,9 +36,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton:
-            from fleetserve.kernels.rms_norm import rms_norm
+            from fleetserve.kernels import custom_ops
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            if residual is None:
+                return custom_ops.rms_norm(x, self.weight, self.eps)
+            return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.

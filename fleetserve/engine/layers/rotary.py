@@ -162,7 +162,7 @@ class RotaryEmbedding:
     def __init__(
         self, rope: RopeSettings, head_size: int, max_position: int, context: LayerContext
     ) -> None:
-        self.use_triton = context.use_triton_ops
+        self.use_triton = context.use_custom_op("rotary")
         self.rotary_dim = int(head_size * float(rope.partial_rotary_factor))
         self.head_size = head_size
         inv_freq, scaling = compute_inv_freq(rope, self.rotary_dim)
@@ -183,9 +183,10 @@ class RotaryEmbedding:
         them (callers must use the return values either way).
         """
         if self.use_triton:
-            from fleetserve.kernels.rotary import rotary_embedding
+            from fleetserve.kernels.custom_ops import rotary_embedding
 
-            return rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
+            rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
+            return query, key
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -28,6 +28,7 @@ from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.registry import resolve_model_class
+from fleetserve.engine.quantization.apply import assign_quant_methods, finish_quantization
 from fleetserve.kernels import is_interpreter
 
 if TYPE_CHECKING:
@@ -88,7 +89,8 @@ class SafetensorsSlice:
             return self._handle[:].to(self._dtype)  # a scalar: nothing to slice
         index = [slice(None)] * dim + [slice(start, start + length)]
         tensor: torch.Tensor = self._handle[tuple(index)]
-        return tensor.to(self._dtype)
+        # NOTE: a quantized checkpoint's integer tensors (packed weights) keep their dtype.
+        return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
 
 
 def iterate_weights(
@@ -118,9 +120,9 @@ def build_layer_context(
     """
     device = torch.device(config.device.device)
     custom_ops = config.device.custom_ops
-    if custom_ops == "triton" and device.type != "cuda" and not is_interpreter():
+    if custom_ops != "torch" and device.type != "cuda" and not is_interpreter():
         raise ValueError(
-            "custom_ops 'triton' runs on device 'cpu' only in Triton's interpreter "
+            f"custom_ops {custom_ops!r} runs on device 'cpu' only in Triton's interpreter "
             "(set TRITON_INTERPRET=1), or use custom_ops 'torch'"
         )
     return LayerContext(
@@ -158,8 +160,11 @@ def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> 
         context.device,
     )
     model = model_cls(arch, context, attn_backend=backend, max_position=config.model.max_model_len)
+    if config.quantization is not None:
+        assign_quant_methods(model, config.quantization, context.dtype, context.device)
     if config.model.load_format == "dummy":
         initialize_dummy_weights(model, config.model.seed)
+        finish_quantization(model)
         return model.eval()
     loaded = model.load_weights(iterate_weights(config.model.model, context.dtype))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -172,6 +177,7 @@ def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> 
             f"checkpoint in {config.model.model!r} lacks parameters: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    finish_quantization(model)
     return model.eval()
 
 
@@ -183,7 +189,9 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             if generator is None:
                 generator = torch.Generator(device=param.device)
                 generator.manual_seed(seed)
-            if name.endswith("norm.weight"):
+            if not param.is_floating_point():  # a quantized checkpoint's packed words
+                param.random_(generator=generator)
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

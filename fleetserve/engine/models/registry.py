@@ -6,6 +6,7 @@ from fleetserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import LlamaForCausalLM
 from fleetserve.engine.models.mixtral import MixtralForCausalLM
+from fleetserve.engine.models.oot_registry import out_of_tree_class, registered_architectures
 from fleetserve.engine.models.qwen2 import Qwen2ForCausalLM
 from fleetserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from fleetserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -26,10 +27,20 @@ def supported_architectures() -> dict[str, type[CausalLM]]:
 
 
 def resolve_model_class(architecture: str) -> type[CausalLM]:
-    """Raises ValueError listing the supported architectures when `architecture` is unknown."""
+    """A built-in class, else one a plugin registered.
+
+    Raises:
+        ValueError: `architecture` is unknown (listing the supported ones), or its registered
+            class does not import.
+    """
     registry = supported_architectures()
-    if architecture not in registry:
-        raise ValueError(
-            f"architectures[0] must be one of {sorted(registry)}, got {architecture!r}"
-        )
-    return registry[architecture]
+    if architecture in registry:
+        return registry[architecture]
+    # NOTE: plugins' architectures (`oot_registry.register_model`), imported only when asked for.
+    plugin_cls = out_of_tree_class(architecture)
+    if plugin_cls is not None:
+        return plugin_cls
+    raise ValueError(
+        f"architectures[0] must be one of {sorted([*registry, *registered_architectures()])}, "
+        f"got {architecture!r}"
+    )

@@ -29,6 +29,7 @@ import zmq
 from fleetserve.engine.distributed.pod_group import pod_group
 from fleetserve.engine.worker.worker import Worker
 from fleetserve.envs import read_env
+from fleetserve.plugins.loader import load_general_plugins
 
 __all__ = ["PARENT_POLL_S", "main"]
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s worker {args.rank}: %(message)s"
     )
+    load_general_plugins()  # a worker process is one of "every process" (and builds the model)
     with open(args.config, "rb") as f:
         config = pickle.load(f)
     if config.device.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:

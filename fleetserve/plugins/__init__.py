@@ -1,0 +1,1 @@
+"""Plugins by entry points: extend fleetserve without forking it (`loader`)."""
