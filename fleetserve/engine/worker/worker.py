@@ -30,6 +30,7 @@ import torch
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
 from fleetserve.engine.distributed.parallel_state import ParallelState, layout_of
 from fleetserve.engine.distributed.pipeline import PipelineStage
 from fleetserve.engine.distributed.stages import stage_layer_range
@@ -72,7 +73,7 @@ class Worker:
     def __init__(
         self, config: EngineConfig, *, rank: int = 0, distributed_init_method: str | None = None
     ) -> None:
-        if config.parallel.world_size > 1 and distributed_init_method is None:
+        if config.parallel.world_size_across_dp > 1 and distributed_init_method is None:
             raise ValueError("distributed_init_method is required with more than one rank")
         self.config = config
         self.rank = rank
@@ -90,6 +91,8 @@ class Worker:
         self.kv_connector: P2PConnectorWorker | None = None
         """The KV connector's worker role, when the engine transfers KV (built in init_device)."""
         self._kv_arena: SharedKVArena | None = None
+        self.dp_sync: DPStepSync | None = None
+        """Lockstep data parallel: the per-forward agreement with the other DP ranks."""
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -113,7 +116,9 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         parallel = self.config.parallel
         tp_group = None
-        if parallel.world_size > 1:
+        # NOTE: lockstep data-parallel ranks share one world (`world_size_across_dp`); an
+        # independent replica's config has data_parallel_size 1.
+        if parallel.world_size_across_dp > 1:
             assert self.distributed_init_method is not None
             self.parallel_state = ParallelState.create(
                 parallel, rank=self.rank, init_method=self.distributed_init_method,
@@ -121,6 +126,8 @@ class Worker:
             )  # fmt: skip
             if parallel.tensor_parallel_size > 1:
                 tp_group = self.parallel_state.tensor
+            if parallel.needs_dp_lockstep:
+                self.dp_sync = DPStepSync(self.parallel_state.data)
         pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
         self.layer_context = build_layer_context(
             self.config,
@@ -260,7 +267,7 @@ class Worker:
         """
         if self.config.device.enforce_eager:
             return "enforce_eager is set"
-        if self.config.parallel.world_size > 1:
+        if self.config.parallel.world_size_across_dp > 1:
             # NOTE: captured collectives need registered buffers (seed part 2 §2.5); not built.
             return "more than one rank (graphs with collectives are not built yet)"
         if self.device.type != "cuda":
@@ -298,8 +305,31 @@ class Worker:
         return len(sizes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on this rank (see `ModelRunner.execute_model`)."""
-        return self.model_runner.execute_model(scheduler_output)
+        """One step on this rank (see `ModelRunner.execute_model`).
+
+        In lockstep data parallel every call runs exactly one forward, a dummy one when the
+        step computes no token, after agreeing with the other DP ranks (`DPStepSync`).
+        """
+        if self.dp_sync is None:
+            return self.model_runner.execute_model(scheduler_output)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        self.dp_sync.sync(num_tokens)
+        output = self.model_runner.execute_model(scheduler_output)
+        if num_tokens == 0:
+            self.model_runner.execute_dummy_batch()
+        return output
+
+    def execute_dummy_batch(self) -> None:
+        """Lockstep data parallel: the forward of a rank without work this step (one padding
+        row that touches no request's KV), so that the other ranks' collectives meet it.
+
+        Raises:
+            RuntimeError: the engine is not a lockstep data-parallel rank.
+        """
+        if self.dp_sync is None:
+            raise RuntimeError("execute_dummy_batch is for lockstep data-parallel ranks only")
+        self.dp_sync.sync(0)
+        self.model_runner.execute_dummy_batch()
 
     def shutdown(self) -> None:
         """Release the graphs, the model and the KV caches; the runner is gone afterwards.
