@@ -257,6 +257,11 @@ class AsyncLLM:
         )
 
     @property
+    def core_pid(self) -> int | None:
+        """The core process's id (None before `start`)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def num_waiting(self) -> int:
         # NOTE: the core's count is a snapshot taken after it had processed
         # `_num_adds_processed` adds; the rest of what was sent is still on its way.

@@ -165,6 +165,8 @@ class DPAsyncLLM:
         self.waves = WaveTracker()
         self.dummy_steps = [0] * size
         """Lockstep: dummy forwards each rank reported (at the end of each wave)."""
+        self.waves_completed = [0] * size
+        """Lockstep: waves each rank reported finished (equal on every rank between waves)."""
         self._owner: dict[str, int] = {}
         """Live request id → the rank that runs it."""
         self._cursor = 0
@@ -186,9 +188,10 @@ class DPAsyncLLM:
             if isinstance(result, BaseException):
                 raise RuntimeError(f"data-parallel rank {rank}: {result}") from result
         logger.info(
-            "%d data-parallel engine cores ready (%s)",
+            "%d data-parallel engine cores ready (%s; processes %s by rank)",
             len(self.ranks),
             "lockstep" if self.lockstep else "independent replicas",
+            [r.core_pid for r in self.ranks],
         )
 
     async def shutdown(self) -> None:
@@ -300,6 +303,7 @@ class DPAsyncLLM:
         if message.kind == "complete":
             self.waves.on_complete(message.wave)
             self.dummy_steps[rank] += message.dummy_steps
+            self.waves_completed[rank] = max(self.waves_completed[rank], message.wave + 1)
         else:
             wave = self.waves.on_core_request(message.wave)
             if wave is not None:
