@@ -147,12 +147,36 @@ class EPLB(_Model):
 _RANKS = "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data"
 
 
+_DATA_IN_ONE_POD = (
+    "data > 1 runs every data-parallel rank in one pod behind its one server, with pipeline 1:"
+    " tensor × pipeline × data must be <= gpusPerPod (spread over more pods with replicas,"
+    " which the router balances)"
+)
+_DATA_UNIFIED = (
+    "data > 1 needs a unified role: data parallel with KV transfer between prefill and decode"
+    " is not built (use replicas)"
+)
+
+
 class Role(_Model):
     model_config = ConfigDict(
-        json_schema_extra=_cel(
-            f"self.gpusPerPod == 0 ? {_RANKS} == 1 : ({_RANKS}) % self.gpusPerPod == 0",
-            "tensor × pipeline × data must be a multiple of gpusPerPod (1 when gpusPerPod is 0)",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.gpusPerPod == 0 ? {_RANKS} == 1"
+                    f" : ({_RANKS}) % self.gpusPerPod == 0",
+                    "message": "tensor × pipeline × data must be a multiple of gpusPerPod"
+                    " (1 when gpusPerPod is 0)",
+                },
+                {
+                    # NOTE: the engine's data parallel (`DPAsyncLLM`) starts every rank's core on
+                    # its own host; a group of several pods has no such server.
+                    "rule": "self.parallelism.data == 1 || (self.parallelism.pipeline == 1 &&"
+                    f" {_RANKS} <= self.gpusPerPod)",
+                    "message": _DATA_IN_ONE_POD,
+                },
+            ]
+        }
     )
 
     replicas: int = Field(default=1, ge=0)
@@ -351,6 +375,11 @@ def _spec_rules() -> list[JsonValue]:
             "message": "expert parallel and EPLB need a MoE model (spec.model.moe: true)",
         },
         {
+            "rule": "has(self.roles.unified) || (self.roles.prefill.parallelism.data == 1 &&"
+            " self.roles.decode.parallelism.data == 1)",
+            "message": _DATA_UNIFIED,
+        },
+        {
             "rule": "has(self.roles.unified) ? self.kvTransfer.connector == 'none'"
             " : self.kvTransfer.connector != 'none'",
             "message": "prefill/decode roles need a KV connector (tcp or mooncake); unified needs none",
@@ -400,6 +429,13 @@ class InferenceDeploymentSpec(_Model):
                     f" (1 when gpusPerPod is 0), got {ranks} ranks and"
                     f" gpusPerPod {role.gpus_per_pod}"
                 )
+            if role.parallelism.data > 1 and (
+                ranks > role.gpus_per_pod or role.parallelism.pipeline > 1
+            ):
+                raise ValueError(f"roles.{name}: {_DATA_IN_ONE_POD}, got {ranks} ranks and"
+                                 f" gpusPerPod {role.gpus_per_pod}")  # fmt: skip
+            if role.parallelism.data > 1 and name != "unified":
+                raise ValueError(f"roles.{name}: {_DATA_UNIFIED}")
             if not self.model.moe and (role.parallelism.expert or role.eplb.enabled):
                 raise ValueError(f"roles.{name}: expert parallel and EPLB need model.moe: true")
         has_pd = self.roles.prefill is not None and self.roles.decode is not None

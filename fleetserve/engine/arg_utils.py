@@ -386,6 +386,12 @@ def _check_group_env(args: EngineArgs, env: Env) -> None:
         )
     if env.rank is not None and env.rank >= world:
         raise ValueError(f"{env_name('rank')}={env.rank} must be < the world size {world}")
+    if args.data_parallel_size > 1 and env.group_size is not None and env.group_size > 1:
+        raise ValueError(
+            f"data_parallel_size={args.data_parallel_size} in a group of {env.group_size} pods "
+            f"({env_name('group_size')}) is not implemented yet (issue 16): data-parallel ranks "
+            "run in one pod, behind its one server"
+        )
 
 
 def _base_type(annotation: Any) -> type:

@@ -56,7 +56,7 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
     for flags, name in (
         (["--enable-eplb"], "enable_eplb"),
         (["--enable-expert-parallel"], "enable_expert_parallel"),
-        (["--data-parallel-size", "2"], "data_parallel_size"),
+        (["--data-parallel-size", "2", "--pipeline-parallel-size", "2"], "data_parallel_size"),
     ):
         with pytest.raises(ValueError, match=rf"^{name}=.*not implement"):
             build_server_config(_parse(model, *flags))
