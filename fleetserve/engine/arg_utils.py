@@ -102,6 +102,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
     )
+    moe_backend: str = _arg("auto", "MoE expert GEMMs (auto: triton on CUDA, torch on the CPU)",
+                            choices=("auto", "torch", "triton"))  # fmt: skip
 
     @classmethod
     def names(cls) -> list[str]:
@@ -168,6 +170,7 @@ class EngineArgs:
 
             model = str(bundled_model_path())
         hf_config = load_hf_config(model)
+        _check_expert_parallel(self, hf_config)
         for f in fields(self):
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
@@ -223,6 +226,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 custom_ops=custom_ops,
                 enforce_eager=self.enforce_eager,
+                moe_backend=self.moe_backend,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,
@@ -248,7 +252,6 @@ class EngineArgs:
 # NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
 # when the option counts as "asked for". Lift an entry when its issue lands.
 _UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
-    ("enable_expert_parallel", "expert parallelism (no MoE model is supported yet)", "issue 17"),
     ("enable_eplb", "EPLB (no MoE model is supported yet)", "issue 17"),
 )
 _EPLB_ONLY = ("num_redundant_experts", "eplb_window_size", "eplb_step_interval", "eplb_policy")
@@ -318,6 +321,25 @@ def _refuse_unimplemented_data_parallel(args: EngineArgs) -> None:
             f"data_parallel_size={size} with enable_expert_parallel and tensor_parallel_size="
             f"{args.tensor_parallel_size} is not implemented yet (issue 16); lockstep data "
             "parallel needs tensor_parallel_size 1"
+        )
+    if args.enable_expert_parallel and args.speculative_config is not None:
+        # NOTE: a draft's forwards would meet no dummy forward on the other ranks.
+        raise ValueError(
+            f"data_parallel_size={size} with enable_expert_parallel and speculative_config is "
+            "not implemented yet (issue 16): lockstep data parallel runs without speculation"
+        )
+
+
+def _check_expert_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
+    """Expert parallelism shards MoE experts: refused, by name, for a dense model."""
+    from fleetserve.engine.models.moe_arch import MOE_ARCHITECTURES, is_moe_config
+
+    if args.enable_expert_parallel and not is_moe_config(hf_config):
+        arch = (hf_config.get("architectures") or ["?"])[0]
+        raise ValueError(
+            f"enable_expert_parallel=True asks for expert parallelism of the dense model "
+            f"{arch!r}, which this build does not implement yet (issue 17): it applies to MoE "
+            f"architectures only ({', '.join(sorted(MOE_ARCHITECTURES))})"
         )
 
 

@@ -20,6 +20,7 @@ _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 _BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
 _POLICIES: tuple[str, ...] = ("fcfs", "priority")
 _CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
+_MOE_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 _LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")
 _EPLB_POLICIES: tuple[str, ...] = ("global", "hierarchical")
 _EXECUTOR_BACKENDS: tuple[str, ...] = ("auto", "uni", "mp")
@@ -429,6 +430,9 @@ class DeviceConfig:
     CUDA and torch on the CPU."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (every step runs eagerly); only meaningful on CUDA."""
+    moe_backend: str = "auto"
+    """MoE expert GEMMs: 'torch', 'triton' (the fused kernel) or 'auto' (triton on CUDA, torch
+    on the CPU; `fleetserve.engine.layers.fused_moe.selector`)."""
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)
@@ -443,6 +447,12 @@ class DeviceConfig:
             "custom_ops",
             f"one of {_CUSTOM_OPS[1:]}",
             self.custom_ops,
+        )
+        _require(
+            self.moe_backend in _MOE_BACKENDS,
+            "moe_backend",
+            f"one of {_MOE_BACKENDS}",
+            self.moe_backend,
         )
 
 

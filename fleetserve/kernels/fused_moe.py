@@ -97,13 +97,18 @@ def align_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the flattened (token, expert) pairs by expert, each run padded to block_m rows.
 
+    Pairs whose id is outside [0, num_experts) (another expert-parallel rank's experts) are
+    left out: no row block computes them.
+
     Returns:
         sorted_pair_ids [num_blocks * block_m] int32 (padding = num_pairs) and
         block_expert [num_blocks] int32.
     """
-    flat = topk_ids.flatten().to(torch.int64)
-    num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    ids = topk_ids.flatten().to(torch.int64)
+    num_pairs = ids.numel()
+    # NOTE: foreign pairs go to an extra bucket past the last expert, which gets no blocks.
+    flat = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
     order = torch.argsort(flat, stable=True)
@@ -112,11 +117,16 @@ def align_by_expert(
         torch.arange(num_pairs, device=flat.device)
         - (torch.cumsum(counts, 0) - counts)[sorted_experts]
     )
+    padded[num_experts] = 0
     total = int(padded.sum())
     sorted_pair_ids = torch.full((total,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_pair_ids[padded_start[sorted_experts] + rank_in_expert] = order.to(torch.int32)
+    local = sorted_experts < num_experts
+    sorted_pair_ids[(padded_start[sorted_experts] + rank_in_expert)[local]] = order[local].to(
+        torch.int32
+    )
     block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, dtype=torch.int32, device=flat.device), padded // block_m
+        torch.arange(num_experts, dtype=torch.int32, device=flat.device),
+        padded[:num_experts] // block_m,
     )
     return sorted_pair_ids, block_expert
 
@@ -132,7 +142,9 @@ def _grouped_gemm(
     block_m: int,
 ) -> torch.Tensor:
     n, k = b.shape[1], b.shape[2]
-    c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    # NOTE: zeros, not empty: pairs of other ranks' experts are never written, and the combine
+    # sums every pair's row.
+    c = torch.zeros(num_pairs, n, dtype=a.dtype, device=a.device)
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
@@ -195,6 +207,36 @@ def fused_moe(
     assert hidden.dtype == w13.dtype == w2.dtype, "hidden and weights must share a dtype"
     assert hidden.device == w13.device == w2.device == router_logits.device, "devices differ"
     topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
+    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, out=out)
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts' part of `fused_moe`, for routing chosen by the caller.
+
+    Args:
+        hidden: [T, K], contiguous.
+        w13: [E, 2I, K]; w2: [E, K, I] (contiguous, hidden's dtype and device).
+        topk_weights: [T, k] float32 routing weights.
+        topk_ids: [T, k] expert ids; ids outside [0, E) (experts of other expert-parallel
+            ranks) contribute nothing.
+        out: optional preallocated [T, K] output like `hidden`.
+
+    Returns:
+        [T, K]: each token's sum of weight × expert(hidden) over its ids in [0, E).
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), "ids must be [T, k]"
+    assert w13.is_contiguous() and w2.is_contiguous() and hidden.is_contiguous(), "contiguous"
     num_pairs = num_tokens * top_k
     block_m = 16 if num_pairs <= 64 * num_experts else 64
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
@@ -203,7 +245,14 @@ def fused_moe(
     )
     act = silu_and_mul(gate_up)
     down = _grouped_gemm(
-        act, w2, sorted_pair_ids, block_expert, topk_weights.flatten(), num_pairs, 1, block_m
+        act,
+        w2,
+        sorted_pair_ids,
+        block_expert,
+        topk_weights.float().flatten().contiguous(),
+        num_pairs,
+        1,
+        block_m,
     )
     if out is None:
         out = torch.empty_like(hidden)

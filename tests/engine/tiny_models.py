@@ -133,3 +133,86 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[lis
 def make_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+# -- mixture-of-experts models ------------------------------------------------------------------
+
+TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        # Layer 1 of 3 keeps a dense MLP; the shared expert is gated; top-k not renormalised.
+        "num_hidden_layers": 3,
+        "mlp_only_layers": [1],
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    },
+    "qwen3_moe": {
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+    "deepseek_v3": {
+        # MLA with q/kv LoRA ranks; layer 0 dense; 8 experts in 4 groups, 2 groups per token.
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 32,
+    },
+}
+
+
+def make_tiny_moe_model(tmp_path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight tiny MoE model ("mixtral", "qwen2_moe", "qwen3_moe" or
+    "deepseek_v3") under tmp_path; return its dir. Weights as `make_tiny_model` draws them;
+    DeepSeek's correction bias gets random values too, so the grouped choice is exercised."""
+    from transformers import (
+        AutoModelForCausalLM,
+        DeepseekV3Config,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
+
+    config_classes = {
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "deepseek_v3": DeepseekV3Config,
+    }
+    if arch not in config_classes:
+        raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
+    settings = {**TINY_CONFIG, **TINY_MOE_CONFIGS[arch], **overrides}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    config = config_classes[arch](**settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
+    out = tmp_path / f"tiny-{arch}-{seed}"
+    model.save_pretrained(out)
+    save_tiny_tokenizer(out, int(config.vocab_size))
+    return out

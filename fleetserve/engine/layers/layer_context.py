@@ -3,7 +3,7 @@
 A model builds all its layers from one `(ModelArch, LayerContext)` pair instead of threading
 `dtype, device, use_triton` through each constructor. The tensor-parallel rank, size and group
 are here so that parallel layers take their shard (and their all-reduce) from it; MoE's
-expert-parallel rank will join them.
+expert-parallel rank and group are here too.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ class LayerContext:
     pp_size: int = 1
     pp_partition: tuple[int, ...] | None = None
     """Layers per stage (None: an even split; `stage_layer_range`)."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: GroupCoordinator | None = field(default=None, compare=False)
+    """The expert-parallel group (None without expert parallelism): MoE layers spread their
+    experts over it and sum their outputs over it."""
+    moe_backend: str = "torch"
+    """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:
@@ -51,6 +58,10 @@ class LayerContext:
             raise ValueError(f"pp_rank must be in [0, {self.pp_size}), got {self.pp_rank}")
         if self.tp_size > 1 and (self.tp_group is None or self.tp_group.world_size != self.tp_size):
             raise ValueError(f"tp_group must be a group of tp_size ({self.tp_size}) ranks")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank must be in [0, {self.ep_size}), got {self.ep_rank}")
+        if self.ep_size > 1 and (self.ep_group is None or self.ep_group.world_size != self.ep_size):
+            raise ValueError(f"ep_group must be a group of ep_size ({self.ep_size}) ranks")
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
         """The decoder layers [start, end) this rank's stage holds.

@@ -10,7 +10,7 @@ that class; this view only says what the config declares.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RopeSettings
@@ -86,6 +86,9 @@ class ModelArch:
     """Window length when the config declares one (0 or null: none)."""
     use_sliding_window: bool | None
     """The config's switch for the window; None when absent (the model class's default rules)."""
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The parsed config.json itself, for what a model family reads on its own (MoE routing:
+    `fleetserve.engine.models.moe_arch`)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -126,6 +129,11 @@ class ModelArch:
             )
         else:
             head_size = hidden_size // num_heads
+        if hf_config.get("kv_lora_rank"):
+            # NOTE: multi-head latent attention (DeepSeek) caches each head's decompressed K
+            # (nope + rope dims) and V (padded to K's size): one KV head per query head.
+            head_size = _int(hf_config, "qk_nope_head_dim") + _int(hf_config, "qk_rope_head_dim")
+            num_kv_heads = num_heads
         hidden_act = hf_config.get("hidden_act", "silu")
         if not isinstance(hidden_act, str):
             raise ValueError(f"config.json 'hidden_act' must be a string, got {hidden_act!r}")
@@ -150,6 +158,7 @@ class ModelArch:
             mlp_bias=_bool(hf_config, "mlp_bias", False),
             sliding_window=_int(hf_config, "sliding_window", minimum=0) if window else None,
             use_sliding_window=None if "use_sliding_window" not in hf_config else bool(uses_window),
+            hf_config=dict(hf_config),
         )
 
 

@@ -20,7 +20,8 @@ for the next one (`fleetserve.engine.distributed.pipeline`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -112,6 +113,11 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+LayerParts = Callable[[int, RotaryEmbedding, str], tuple[nn.Module | None, nn.Module | None]]
+"""(layer index, the shared rotary, the layer's prefix) → a model family's own (self_attn, mlp)
+modules for that layer, None for Llama's (MoE models replace the MLP, MLA the attention)."""
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -122,19 +128,25 @@ class LlamaDecoderLayer(nn.Module):
         *,
         biases: tuple[bool, bool, bool],
         prefix: str,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         qkv_bias, o_bias, mlp_bias = biases
-        self.self_attn = LlamaAttention(
-            arch,
-            context,
-            rotary,
-            backend_cls,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            prefix=f"{prefix}.self_attn",
+        self.self_attn = (
+            self_attn
+            if self_attn is not None
+            else LlamaAttention(
+                arch,
+                context,
+                rotary,
+                backend_cls,
+                qkv_bias=qkv_bias,
+                o_bias=o_bias,
+                prefix=f"{prefix}.self_attn",
+            )
         )
-        self.mlp = LlamaMLP(arch, context, bias=mlp_bias)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, context, bias=mlp_bias)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, context)
 
@@ -165,6 +177,7 @@ class LlamaModel(nn.Module):
         biases: tuple[bool, bool, bool],
         max_position: int,
         prefix: str = "model",
+        layer_parts: LayerParts | None = None,
     ) -> None:
         super().__init__()
         self.start_layer, self.end_layer = context.layer_range(arch.num_hidden_layers)
@@ -175,10 +188,17 @@ class LlamaModel(nn.Module):
         )
         # NOTE: one rotary table for all layers (they share the config).
         rotary = RotaryEmbedding(arch.rope, arch.head_size, max_position, context)
+
+        def decoder_layer(i: int) -> LlamaDecoderLayer:
+            name = f"{prefix}.layers.{i}"
+            self_attn, mlp = (None, None) if layer_parts is None else layer_parts(i, rotary, name)
+            return LlamaDecoderLayer(
+                arch, context, rotary, backend_cls, biases=biases, prefix=name,
+                self_attn=self_attn, mlp=mlp,
+            )  # fmt: skip
+
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                arch, context, rotary, backend_cls, biases=biases, prefix=f"{prefix}.layers.{i}"
-            )
+            decoder_layer(i)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()  # another stage's layer
             for i in range(arch.num_hidden_layers)
@@ -266,6 +286,7 @@ class LlamaForCausalLM(CausalLM):
             attn_backend,
             biases=self.projection_biases(arch),
             max_position=max_position,
+            layer_parts=partial(self.decoder_layer_parts, arch, context, attn_backend),
         )
         self.tie_word_embeddings = arch.tie_word_embeddings
         self.lm_head = (
@@ -275,6 +296,18 @@ class LlamaForCausalLM(CausalLM):
         )
         if self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.tie_lm_head()
+
+    def decoder_layer_parts(
+        self,
+        arch: ModelArch,
+        context: LayerContext,
+        attn_backend: type[AttentionBackend],
+        index: int,
+        rotary: RotaryEmbedding,
+        prefix: str,
+    ) -> tuple[nn.Module | None, nn.Module | None]:
+        """Layer `index`'s (self_attn, mlp) when a subclass replaces Llama's (None: Llama's)."""
+        return None, None
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (when this stage has both; a

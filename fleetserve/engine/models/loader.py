@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.layers.attention.selector import select_attention_backend
+from fleetserve.engine.layers.fused_moe.selector import select_moe_backend
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
@@ -101,14 +102,19 @@ def iterate_weights(
 
 
 def build_layer_context(
-    config: EngineConfig, *, tp_group: GroupCoordinator | None = None, pp_rank: int = 0
+    config: EngineConfig,
+    *,
+    tp_group: GroupCoordinator | None = None,
+    pp_rank: int = 0,
+    ep_group: GroupCoordinator | None = None,
 ) -> LayerContext:
     """The `LayerContext` of one rank: the engine's dtype, device and custom-ops choice, its
-    tensor-parallel group (None: a single rank) and its pipeline stage.
+    tensor-parallel group (None: a single rank), its pipeline stage and its expert-parallel
+    group (None: experts are not spread over ranks).
 
     Raises:
-        ValueError: an unknown dtype, or triton custom ops on the CPU outside Triton's
-            interpreter.
+        ValueError: an unknown dtype, or triton custom ops (or MoE backend) on the CPU outside
+            Triton's interpreter.
     """
     device = torch.device(config.device.device)
     custom_ops = config.device.custom_ops
@@ -127,6 +133,10 @@ def build_layer_context(
         pp_rank=pp_rank,
         pp_size=config.parallel.pipeline_parallel_size,
         pp_partition=config.parallel.pipeline_layer_partition,
+        ep_rank=0 if ep_group is None else ep_group.rank_in_group,
+        ep_size=1 if ep_group is None else ep_group.world_size,
+        ep_group=ep_group,
+        moe_backend=select_moe_backend(config.device.moe_backend, device),
     )
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from fleetserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.llama import LlamaForCausalLM
+from fleetserve.engine.models.mixtral import MixtralForCausalLM
 from fleetserve.engine.models.qwen2 import Qwen2ForCausalLM
+from fleetserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from fleetserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 def supported_architectures() -> dict[str, type[CausalLM]]:
@@ -14,6 +18,10 @@ def supported_architectures() -> dict[str, type[CausalLM]]:
         # NOTE: Mistral's dense decoder is Llama's; sliding windows are rejected at construction.
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     }
 
 

@@ -129,10 +129,12 @@ class Worker:
             if parallel.needs_dp_lockstep:
                 self.dp_sync = DPStepSync(self.parallel_state.data)
         pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
+        ep_group = None if self.parallel_state is None else self.parallel_state.expert
         self.layer_context = build_layer_context(
             self.config,
             tp_group=tp_group,
             pp_rank=self.pp_rank,
+            ep_group=None if ep_group is None or ep_group.world_size == 1 else ep_group,
         )
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
         if pp_group is not None and pp_group.world_size > 1:
@@ -274,6 +276,9 @@ class Worker:
             return f"device is {self.device.type!r}"
         model = self.model_runner.model
         assert model is not None, "load_model() must run first"
+        if getattr(model, "moe_layers", None) is not None:
+            # NOTE: both MoE paths read each step's per-expert token counts on the host.
+            return "MoE layers size their expert segments on the host (not capturable yet)"
         backend = model.attn_backend
         if backend.cuda_graph_support < CudaGraphSupport.UNIFORM_DECODE:
             return f"attention backend {backend.name!r} cannot be captured"
@@ -330,6 +335,13 @@ class Worker:
             raise RuntimeError("execute_dummy_batch is for lockstep data-parallel ranks only")
         self.dp_sync.sync(0)
         self.model_runner.execute_dummy_batch()
+
+    def moe_expert_slots(self) -> list[list[int]]:
+        """Per MoE layer of this rank (layer order), the physical expert slots it holds
+        (empty for a dense model)."""
+        model = self.model_runner.model
+        layers = getattr(model, "moe_layers", None)
+        return [] if layers is None else [list(m.local_physical_experts) for m in layers()]
 
     def shutdown(self) -> None:
         """Release the graphs, the model and the KV caches; the runner is gone afterwards.
