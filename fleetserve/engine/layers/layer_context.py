@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
     from fleetserve.engine.distributed.group import GroupCoordinator
 
 CUSTOM_OPS: tuple[str, ...] = ("torch", "triton")
@@ -46,6 +47,9 @@ class LayerContext:
     experts over it and sum their outputs over it."""
     moe_backend: str = "torch"
     """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
+    dp_sync: DPStepSync | None = field(default=None, compare=False)
+    """Lockstep data parallel: the DP ranks' token counts of the current forward, and the
+    dispatch MoE layers use when their expert-parallel group spans the DP ranks."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS:

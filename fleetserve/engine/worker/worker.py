@@ -22,6 +22,7 @@ tears them down after the model is released.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -136,6 +137,8 @@ class Worker:
             pp_rank=self.pp_rank,
             ep_group=None if ep_group is None or ep_group.world_size == 1 else ep_group,
         )
+        if self.dp_sync is not None:
+            self.layer_context = dataclasses.replace(self.layer_context, dp_sync=self.dp_sync)
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
         if pp_group is not None and pp_group.world_size > 1:
             self._runner.pipeline = PipelineStage(
@@ -318,7 +321,8 @@ class Worker:
         if self.dp_sync is None:
             return self.model_runner.execute_model(scheduler_output)
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        self.dp_sync.sync(num_tokens)
+        # NOTE: a step without tokens runs the dummy forward's one padding row instead.
+        self.dp_sync.sync(num_tokens or 1)
         output = self.model_runner.execute_model(scheduler_output)
         if num_tokens == 0:
             self.model_runner.execute_dummy_batch()
@@ -333,7 +337,7 @@ class Worker:
         """
         if self.dp_sync is None:
             raise RuntimeError("execute_dummy_batch is for lockstep data-parallel ranks only")
-        self.dp_sync.sync(0)
+        self.dp_sync.sync(1)  # the dummy forward's one padding row
         self.model_runner.execute_dummy_batch()
 
     def moe_expert_slots(self) -> list[list[int]]:

@@ -1,8 +1,9 @@
-"""Lockstep data parallel (issue 16) on a dense model with `force_dp_lockstep`: every forward of
-each rank all-gathers the DP ranks' token counts over their shared gloo world (a real cross-rank
-collective, as the MoE layers' under expert parallelism), so a rank that skipped a forward would
-hang its peer. Requests on one rank only and on both give DP=1's greedy tokens, the idle rank
-runs dummy forwards, both ranks end the same waves, and a rank's death ends the engine cleanly.
+"""Lockstep data parallel (issue 16): a tiny Qwen2-MoE (shared expert, a dense layer between
+MoE ones) with DP=2, TP=1 and expert parallelism (EP=2 over the DP ranks: each rank holds half
+the experts, and every MoE layer gathers both ranks' tokens and combines the outputs; without
+the data-parallel dispatch `FusedMoE` refuses EP over DP). Requests on one rank only and on both
+give DP=1's greedy tokens, the idle rank runs dummy forwards (else its peer would hang in the
+collectives), both ranks end the same waves, and a rank's death ends the engine cleanly.
 
 One DPAsyncLLM for the module, on an event loop in a background thread; the death test is last.
 """
@@ -10,7 +11,6 @@ One DPAsyncLLM for the module, on an event loop in a background thread; the deat
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import threading
@@ -27,6 +27,7 @@ from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.dp_async_llm import DPAsyncLLM
 from fleetserve.engine.engine_client import EngineDeadError
 from fleetserve.engine.request_output import RequestOutput
+from tests.engine.tiny_models import make_tiny_moe_model
 
 pytestmark = pytest.mark.slow
 
@@ -54,20 +55,24 @@ class _BackgroundLoop:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path) -> list[list[int]]:
-    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_moe_model(tmp_path_factory.mktemp("moe"), "qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[list[int]]:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[tuple[DPAsyncLLM, _BackgroundLoop]]:
+def engine(model_dir: Path) -> Iterator[tuple[DPAsyncLLM, _BackgroundLoop]]:
     config = EngineConfig.create(
-        str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
-        data_parallel_size=2,
+        str(model_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
+        data_parallel_size=2, enable_expert_parallel=True,
     )  # fmt: skip
-    parallel = dataclasses.replace(config.parallel, force_dp_lockstep=True)
-    config = dataclasses.replace(config, parallel=parallel)
+    assert config.parallel.needs_dp_lockstep
     background = _BackgroundLoop()
 
     async def start() -> DPAsyncLLM:

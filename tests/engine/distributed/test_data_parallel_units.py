@@ -154,3 +154,28 @@ def test_the_crd_keeps_data_parallel_in_one_unified_pod() -> None:
         spec({"unified": {"gpusPerPod": 4, "parallelism": {"pipeline": 2, "data": 2}}})
     with pytest.raises(ValidationError, match="data > 1 needs a unified role"):
         spec({"prefill": {}, "decode": {"gpusPerPod": 2, "parallelism": {"data": 2}}}, "tcp")
+
+
+def test_lockstep_data_parallel_refuses_what_it_does_not_build(tiny_llama_dir: Path) -> None:
+    args = {"model": str(tiny_llama_dir), "device": "cpu", "data_parallel_size": 2,
+            "enable_expert_parallel": True}  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not implemented yet"):
+        EngineArgs(**args, tensor_parallel_size=2).create_engine_config()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with pytest.raises(ValueError, match=r"speculative_config is not implemented yet"):
+        EngineArgs(**args, speculative_config=spec).create_engine_config()
+
+
+def test_the_autoscaler_reads_a_data_parallel_pods_kv_usage_as_the_mean_of_its_ranks() -> None:
+    from fleetserve.operator.autoscale.load import parse_engine_metrics
+
+    registry = CollectorRegistry()
+    families = MetricFamilies(registry, per_engine=True)
+    for rank, usage in enumerate((0.2, 0.6)):
+        metrics = EngineMetrics(registry, "m", families=families, engine=str(rank))
+        metrics.record_scheduler_stats(
+            SchedulerStats(num_running_reqs=rank + 1, kv_cache_usage=usage)
+        )
+    counters = parse_engine_metrics(generate_latest(registry).decode(), time_s=0.0)
+    assert counters.kv_usage == pytest.approx(0.4)
+    assert counters.requests_running == 3  # counts are summed over the ranks

@@ -134,8 +134,16 @@ class FusedMoE(nn.Module):
         self._identity_map = num_redundant_experts == 0 and self.physical_to_logical == list(
             range(num_experts)
         )
+        self.dp_sync = (
+            context.dp_sync
+            if self.ep_size > 1 and context.dp_sync is not None and context.tp_size == 1
+            else None
+        )
+        """Lockstep data parallel with the EP group over the DP ranks (tensor parallel 1):
+        tokens are gathered from every DP rank and the outputs combined back over the EP
+        group, which has the DP group's ranks (`distributed.data_parallel_sync`)."""
         if self.ep_size > 1:
-            if context.tp_size != self.ep_size:
+            if context.tp_size != self.ep_size and self.dp_sync is None:
                 # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others
                 # first (all-gather / all-to-all); only the replicated-hidden case is built.
                 raise ValueError(
@@ -223,6 +231,11 @@ class FusedMoE(nn.Module):
         same tokens (its tensor-parallel slice, not yet summed; the group here has the TP
         ranks): it is added before the sum, so one all-reduce combines both.
         """
+        dp_sync = self.dp_sync
+        if dp_sync is not None:
+            # NOTE: every DP rank routes every rank's tokens, so each count is the global one.
+            hidden_states = dp_sync.gather(hidden_states)
+            router_logits = dp_sync.gather(router_logits)
         weights, logical = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         physical = self.to_physical(logical)
         if self.expert_load is not None:
@@ -237,6 +250,10 @@ class FusedMoE(nn.Module):
             )
         else:
             out = torch_experts(hidden_states, self.w13_weight, self.w2_weight, weights, local)
+        if dp_sync is not None:
+            # NOTE: tensor parallel 1: the shared expert's output is whole for this rank's rows.
+            out = dp_sync.combine(out)
+            return out if shared_output is None else out + shared_output
         if shared_output is not None:
             out = out + shared_output
         if self.reduce_group is not None:
