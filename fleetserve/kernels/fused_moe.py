@@ -8,7 +8,7 @@ Pipeline for hidden [T, K], gate/up weights w13 [E, 2I, K], down weights w2 [E, 
 3. `_fused_moe_kernel` (grouped GEMM): one program per (row block, column block) multiplies the
    gathered rows by its expert's weight tile. Run once for gate/up (rows are tokens: pair // k),
    then SiLU-and-mul, then once for down (rows are pairs), scaling each row by its routing weight.
-4. Combine: the k scaled rows of each token are summed.
+4. Combine: the k scaled rows of each token (float32) are summed, then cast once.
 The padded and sentinel rows cost one masked tile at most per expert; experts with no tokens
 cost nothing.
 """
@@ -140,11 +140,12 @@ def _grouped_gemm(
     num_pairs: int,
     row_div: int,
     block_m: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     n, k = b.shape[1], b.shape[2]
     # NOTE: zeros, not empty: pairs of other ranks' experts are never written, and the combine
     # sums every pair's row.
-    c = torch.zeros(num_pairs, n, dtype=a.dtype, device=a.device)
+    c = torch.zeros(num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
@@ -253,8 +254,10 @@ def fused_experts(
         num_pairs,
         1,
         block_m,
+        out_dtype=torch.float32,
     )
     if out is None:
         out = torch.empty_like(hidden)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype, "out must be like hidden"
-    return torch.sum(down.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+    # NOTE: the weighted rows are float32; a token's k rows are summed before one rounding.
+    return out.copy_(down.view(num_tokens, top_k, hidden_size).sum(dim=1))

@@ -47,6 +47,8 @@ class LayerContext:
     experts over it and sum their outputs over it."""
     moe_backend: str = "torch"
     """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
+    num_redundant_experts: int = 0
+    """Extra physical expert slots of every MoE layer (EPLB replicas; 0 without EPLB)."""
     dp_sync: DPStepSync | None = field(default=None, compare=False)
     """Lockstep data parallel: the DP ranks' token counts of the current forward, and the
     dispatch MoE layers use when their expert-parallel group spans the DP ranks."""

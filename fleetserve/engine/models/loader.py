@@ -137,6 +137,7 @@ def build_layer_context(
         ep_size=1 if ep_group is None else ep_group.world_size,
         ep_group=ep_group,
         moe_backend=select_moe_backend(config.device.moe_backend, device),
+        num_redundant_experts=config.eplb.redundant_experts if config.eplb.enabled else 0,
     )
 
 

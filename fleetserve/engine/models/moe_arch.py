@@ -61,6 +61,8 @@ class MoeArch:
     """DeepSeek-V3's `e_score_correction_bias` (noaux_tc routing)."""
     shared_expert_intermediate_size: int = 0
     """The shared expert's width (0: none)."""
+    weights_in_logits_dtype: bool = False
+    """Qwen: the routing weights are rounded to the activation dtype."""
     shared_expert_gate: bool = False
     """Qwen2-MoE: the shared expert's output is scaled by sigmoid(a [1, H] gate)."""
     moe_layers: tuple[bool, ...] = ()
@@ -114,6 +116,7 @@ class MoeArch:
                 renormalize=norm,
                 shared_expert_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
                 shared_expert_gate=arch == "Qwen2MoeForCausalLM" and shared > 0,
+                weights_in_logits_dtype=True,
                 moe_layers=tuple(
                     i not in dense_only and (i + 1) % max(1, step) == 0 for i in layers
                 ),

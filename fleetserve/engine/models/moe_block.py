@@ -47,6 +47,7 @@ def routing_config(moe: MoeArch) -> RoutingConfig:
         topk_groups=moe.topk_groups,
         routed_scaling_factor=moe.routed_scaling_factor,
         use_correction_bias=moe.use_correction_bias,
+        weights_in_logits_dtype=moe.weights_in_logits_dtype,
     )
 
 
@@ -85,6 +86,7 @@ class SparseMoeBlock(nn.Module):
             moe.moe_intermediate_size,
             routing_config(moe),
             context,
+            num_redundant_experts=context.num_redundant_experts,
             prefix=f"{prefix}.experts",
         )
         self.shared_name = shared_name

@@ -4,6 +4,7 @@ unsharded layer."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -49,10 +50,11 @@ def test_softmax_topk_with_and_without_renormalisation() -> None:
 
 def _grouped_reference(
     logits: torch.Tensor, bias: torch.Tensor, groups: int, topk_groups: int, k: int, scale: float
-) -> tuple[list[list[int]], torch.Tensor]:
+) -> tuple[list[list[int]], list[dict[int, float]]]:
     """Token by token, as DeepSeek-V3 describes it: sigmoid scores, biased choice, groups scored
     by their two best biased scores, experts chosen only inside the best groups."""
-    chosen, weights = [], []
+    chosen: list[list[int]] = []
+    weights: list[dict[int, float]] = []
     for row in logits:
         scores = row.sigmoid()
         biased = (scores + bias).tolist()
@@ -66,7 +68,7 @@ def _grouped_reference(
         w = scores[top]
         chosen.append(sorted(top))
         weights.append(dict(zip(top, (w / w.sum() * scale).tolist(), strict=True)))
-    return chosen, weights  # type: ignore[return-value]
+    return chosen, weights
 
 
 def test_grouped_topk_with_correction_bias_matches_the_reference() -> None:
@@ -100,12 +102,8 @@ def test_grouped_topk_without_bias_scores_groups_by_their_best_expert() -> None:
         top_k=1, renormalize=False, scoring_func="sigmoid", num_expert_groups=2, topk_groups=1
     )
     assert select_experts(logits, config)[1].tolist() == [[0]]
-    biased = RoutingConfig(**{**_fields(config), "use_correction_bias": True})
+    biased = dataclasses.replace(config, use_correction_bias=True)
     assert select_experts(logits, biased, torch.zeros(4))[1].tolist() in ([[2]], [[3]])
-
-
-def _fields(config: RoutingConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
 
 
 def test_routing_refuses_what_cannot_apply() -> None:
@@ -124,7 +122,9 @@ def test_sort_by_expert_groups_pairs_and_drops_foreign_ones() -> None:
     assert order[:4].tolist() == [1, 4, 0, 3]
 
 
-def _dense_reference(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
+def _dense_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot in range(ids.shape[1]):
@@ -150,9 +150,16 @@ def test_torch_experts_match_the_per_token_loop() -> None:
 
 
 def _layer(
-    context: LayerContext, w13: torch.Tensor, w2: torch.Tensor, **kwargs: object
+    context: LayerContext,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    num_redundant_experts: int = 0,
+    physical_to_logical: list[int] | None = None,
 ) -> FusedMoE:
-    layer = FusedMoE(E, H, INTER, RoutingConfig(top_k=2, renormalize=True), context, **kwargs)  # type: ignore[arg-type]
+    layer = FusedMoE(
+        E, H, INTER, RoutingConfig(top_k=2, renormalize=True), context,
+        num_redundant_experts=num_redundant_experts, physical_to_logical=physical_to_logical,
+    )  # fmt: skip
     for e in range(E):
         layer.load_expert_weight(e, "gate", w13[e, :INTER], f"experts.{e}.w1.weight")
         layer.load_expert_weight(e, "up", w13[e, INTER:], f"experts.{e}.w3.weight")

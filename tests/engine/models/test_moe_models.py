@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.worker.multiproc_executor import MultiprocExecutor
@@ -115,3 +116,28 @@ def test_expert_parallel_2_equals_1(
         assert _generate(llm, prompts) == expected[arch]
     finally:
         llm.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_bfloat16_moe_block_is_bit_identical_to_transformers(
+    arch: str, moe_dirs: dict[str, Path]
+) -> None:
+    """Routing, expert GEMMs, the float32 combine (Qwen's weights rounded to bfloat16 first)
+    and the shared expert: the same bits as transformers' MoE block in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from fleetserve.engine.arg_utils import EngineArgs
+    from tests.engine.tiny_models import load_engine_model
+
+    path = moe_dirs[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    config = EngineArgs(
+        model=str(path), dtype="bfloat16", device="cpu", max_model_len=128
+    ).create_engine_config()
+    ours = load_engine_model(config)
+    layer = 2 if arch in ("qwen2_moe", "deepseek_v3") else 1  # an MoE layer
+    x = torch.randn(1, 37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = hf.model.layers[layer].mlp(x)
+        got = ours.model.layers[layer].mlp(x[0])
+    assert torch.equal(got, expected[0])

@@ -36,7 +36,7 @@ grouped-GEMM kernel, `fleetserve.kernels.fused_moe.fused_experts`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -44,7 +44,15 @@ from torch import nn
 from fleetserve.engine.layers.fused_moe.routing import RoutingConfig, select_experts
 from fleetserve.engine.layers.fused_moe.torch_experts import torch_experts
 from fleetserve.engine.layers.layer_context import LayerContext
-from fleetserve.engine.layers.linear import CheckpointTensor, copy_checked, split_evenly
+from fleetserve.engine.layers.linear import (
+    CheckpointTensor,
+    RowSlice,
+    copy_checked,
+    split_evenly,
+)
+
+if TYPE_CHECKING:
+    from fleetserve.engine.distributed.group import GroupCoordinator
 
 __all__ = ["MOE_BACKENDS", "EplbMaps", "FusedMoE"]
 
@@ -142,30 +150,7 @@ class FusedMoE(nn.Module):
         """Lockstep data parallel with the EP group over the DP ranks (tensor parallel 1):
         tokens are gathered from every DP rank and the outputs combined back over the EP
         group, which has the DP group's ranks (`distributed.data_parallel_sync`)."""
-        if self.ep_size > 1:
-            if context.tp_size != self.ep_size and self.dp_sync is None:
-                # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others
-                # first (all-gather / all-to-all); only the replicated-hidden case is built.
-                raise ValueError(
-                    f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
-                    f"{context.tp_size} needs data-parallel dispatch, which is not built; "
-                    "the expert-parallel group must be the tensor-parallel group"
-                )
-            self.inter_slice = split_evenly(intermediate_size, 0, 1, what="intermediate_size")
-            # NOTE: with data_parallel_size 1 the EP group has the TP group's ranks; its
-            # coordinator carries the one-host shared-memory all-reduce, so sum over it.
-            tp_group = context.tp_group
-            same_ranks = (
-                tp_group is not None
-                and context.ep_group is not None
-                and (tp_group.ranks == context.ep_group.ranks)
-            )
-            self.reduce_group = tp_group if same_ranks else context.ep_group
-        else:
-            self.inter_slice = split_evenly(
-                intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
-            )
-            self.reduce_group = context.tp_group
+        self.inter_slice, self.reduce_group = self._split(context, intermediate_size)
         local, inter = self.num_local_physical_experts, self.inter_slice.size
         self.hidden_size = hidden_size
         self.w13_weight = _parameter((local, 2 * inter, hidden_size), context)
@@ -181,6 +166,34 @@ class FusedMoE(nn.Module):
         self.expert_load: torch.Tensor | None = None
         """Set by EPLB: LongTensor [num_physical_experts], each forward's physical ids counted."""
         self._loaded: set[tuple[int, str]] = set()
+
+    def _split(
+        self, context: LayerContext, intermediate_size: int
+    ) -> tuple[RowSlice, GroupCoordinator | None]:
+        """The intermediate rows each expert keeps here, and the group its output is summed
+        over: whole experts and the EP group under expert parallelism, else I / tp rows and
+        the TP group (None with one rank)."""
+        if self.ep_size == 1:
+            rows = split_evenly(
+                intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
+            )
+            return rows, context.tp_group
+        if context.tp_size != self.ep_size and self.dp_sync is None:
+            # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others first
+            # (`dp_sync`: lockstep data parallel, tensor parallel 1); else only the
+            # replicated-hidden case is built.
+            raise ValueError(
+                f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
+                f"{context.tp_size} needs data-parallel dispatch, which is not built; "
+                "the expert-parallel group must be the tensor-parallel group"
+            )
+        whole = RowSlice(intermediate_size, 0, intermediate_size)
+        tp_group, ep_group = context.tp_group, context.ep_group
+        # NOTE: with data_parallel_size 1 the EP group has the TP group's ranks, and the TP
+        # coordinator carries the one-host shared-memory all-reduce: sum over it.
+        if tp_group is not None and ep_group is not None and tp_group.ranks == ep_group.ranks:
+            return whole, tp_group
+        return whole, ep_group
 
     # -- the contract ------------------------------------------------------------------------
 

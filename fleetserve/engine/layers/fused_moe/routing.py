@@ -43,6 +43,9 @@ class RoutingConfig:
     """Multiplies the final weights."""
     use_correction_bias: bool = False
     """DeepSeek-V3's `e_score_correction_bias` is added to the scores for the choice only."""
+    weights_in_logits_dtype: bool = False
+    """Round the final weights to the router logits' dtype (Qwen-MoE does; the others keep
+    float32), so that a bfloat16 model weights its experts as its reference does."""
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -107,7 +110,8 @@ def select_experts(
             choice only).
 
     Returns:
-        (weights [T, k] float32, logical expert ids [T, k] int64).
+        (weights [T, k] float32, or the logits' dtype under `weights_in_logits_dtype`;
+        logical expert ids [T, k] int64).
     """
     config.check(router_logits.shape[-1])
     logits = router_logits.float()
@@ -130,4 +134,6 @@ def select_experts(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
+    if config.weights_in_logits_dtype:
+        weights = weights.to(router_logits.dtype)
     return weights, ids

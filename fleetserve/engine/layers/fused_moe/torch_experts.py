@@ -2,13 +2,15 @@
 
 The T×k (token, slot) pairs are sorted by their local expert id with one stable argsort; each
 expert's pairs are then a contiguous segment of the sorted rows (offsets from one bincount), so
-the per-expert GEMMs read slices, and one `index_add_` scatters the weighted rows back to their
-tokens. The only Python loop is over the experts that received tokens (one host read of the
-segment lengths per layer); there is none over tokens. Pairs whose expert is not local (another
-expert-parallel rank's, id outside [0, num_local)) are sorted past the end and skipped.
+the per-expert GEMMs read slices, and the weighted rows go back to their pair's place. The only
+Python loop is over the experts that received tokens (one host read of the segment lengths per
+layer); there is none over tokens. Pairs whose expert is not local (another expert-parallel
+rank's, id outside [0, num_local)) are sorted past the end and skipped (they add zero).
 
-Rows reach `index_add_` in expert order, so each token's contributions are summed in ascending
-expert order, as the reference implementations do.
+Combine: each row is multiplied by its routing weight (in the weight's dtype: float32, or the
+activation dtype for routings that round their weights), and a token's k rows are summed in
+float32, in slot order, before one cast to the activation dtype, as transformers' grouped-GEMM
+experts do (so bfloat16 rounds once per token, not once per expert).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def torch_experts(
         hidden: [T, H].
         w13: [E, 2I, H], gate rows then up rows.
         w2: [E, H, I].
-        topk_weights: [T, k] float32.
+        topk_weights: [T, k] float32 (or hidden's dtype).
         local_ids: [T, k] int64 local expert ids (others: not this rank's, contribute 0).
 
     Returns:
@@ -75,6 +77,7 @@ def torch_experts(
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         down[start : start + size] = F.linear(act, w2[expert])
         start += size
-    weighted = (down * topk_weights.flatten()[order].unsqueeze(1)).to(hidden.dtype)
-    out = torch.zeros_like(hidden)
-    return out.index_add_(0, tokens, weighted)
+    num_tokens, hidden_size = hidden.shape
+    pairs = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
+    pairs[order] = (down * topk_weights.flatten()[order].unsqueeze(1)).float()
+    return pairs.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
