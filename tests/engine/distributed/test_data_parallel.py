@@ -25,6 +25,8 @@ from fleetserve import LLM, SamplingParams
 from tests.engine.tiny_models import make_tiny_model
 from tests.server.server_process import ServerHandle, start_server
 
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 4096
 """Long enough that a request runs for seconds on the tiny model."""
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [40, 41], [100, 7, 3, 8, 9]]
