@@ -9,6 +9,7 @@ One real server process for the module (its death test last: it kills a core).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import re
@@ -125,31 +126,38 @@ def test_dp2_greedy_answers_equal_dp1_and_spread_over_both_ranks(
 
 
 @pytest.mark.timeout(600)
-def test_an_abort_reaches_the_rank_that_runs_the_request(dp_server: ServerHandle) -> None:
-    first, _ = _stream(dp_server, [5, 6, 7])
-    second, second_events = _stream(dp_server, [8, 9, 10])
+def test_an_abort_reaches_its_rank_and_the_least_loaded_rank_takes_the_next(
+    dp_server: ServerHandle,
+) -> None:
+    running = functools.partial(_series, dp_server, "vllm:num_requests_running")
+    opened: list[requests.Response] = []
     try:
-        # Least loaded first: the second long request went to the other rank.
+        # 1 → rank c (the round-robin cursor), 2 → the other (less loaded), 3 → c (a tie, the
+        # cursor's turn): c runs two, the other one.
+        first, _ = _stream(dp_server, [5, 6, 7])
+        second, second_events = _stream(dp_server, [8, 9, 10])
+        third, _ = _stream(dp_server, [11, 12])
+        opened += [first, second, third]
+        _wait_for(lambda: sorted(running().values()) == [1.0, 2.0], "1 and 3 did not share a rank")
+        snapshot = running()
+        busy = max(snapshot, key=snapshot.__getitem__)
+        first.close()  # the client leaves: the server aborts the request on its rank
+        third.close()
         _wait_for(
-            lambda: _series(dp_server, "vllm:num_requests_running") == {"0": 1.0, "1": 1.0},
-            "the two requests did not run one on each rank",
+            lambda: running()[busy] == 0.0, "the aborts did not stop both requests on their rank"
         )
-        first.close()  # the client leaves: the server aborts that request
-        _wait_for(
-            lambda: sorted(_series(dp_server, "vllm:num_requests_running").values()) == [0.0, 1.0],
-            "the abort did not stop exactly one rank's request",
-        )
+        assert sorted(running().values()) == [0.0, 1.0]
         # The other rank's request streams on.
         for _ in range(50):
             assert b'finish_reason":null' in next(second_events)
-        assert sorted(_series(dp_server, "vllm:num_requests_running").values()) == [0.0, 1.0]
+        # The cursor points at the busy rank now; the idle one is less loaded, and wins.
+        fourth, _ = _stream(dp_server, [13, 14])
+        opened.append(fourth)
+        _wait_for(lambda: running() == {"0": 1.0, "1": 1.0}, "4 did not go to the idle rank")
     finally:
-        first.close()
-        second.close()
-    _wait_for(
-        lambda: set(_series(dp_server, "vllm:num_requests_running").values()) == {0.0},
-        "both ranks did not go idle",
-    )
+        for response in opened:
+            response.close()
+    _wait_for(lambda: set(running().values()) == {0.0}, "both ranks did not go idle")
 
 
 @pytest.mark.timeout(600)
