@@ -162,6 +162,15 @@ _RANKS = "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism
 
 
 _EP_GROUP = "self.parallelism.tensor * self.parallelism.data"
+_DATA_IN_ONE_POD = (
+    "data > 1 runs every data-parallel rank in one pod behind its one server, with pipeline 1:"
+    " tensor × pipeline × data must be <= gpusPerPod (spread over more pods with replicas,"
+    " which the router balances)"
+)
+_DATA_UNIFIED = (
+    "data > 1 needs a unified role: data parallel with KV transfer between prefill and decode"
+    " is not built (use replicas)"
+)
 
 
 class Role(_Model):
@@ -185,6 +194,13 @@ class Role(_Model):
                     " == 0",
                     "message": "eplb.redundantExperts must be a multiple of the EP group"
                     " (parallelism.tensor × parallelism.data)",
+                },
+                {
+                    # NOTE: the engine's data parallel (`DPAsyncLLM`) starts every rank's core on
+                    # its own host; a group of several pods has no such server.
+                    "rule": "self.parallelism.data == 1 || (self.parallelism.pipeline == 1 &&"
+                    f" {_RANKS} <= self.gpusPerPod)",
+                    "message": _DATA_IN_ONE_POD,
                 },
             ]
         }
@@ -386,6 +402,11 @@ def _spec_rules() -> list[JsonValue]:
             "message": "expert parallel and EPLB need a MoE model (spec.model.moe: true)",
         },
         {
+            "rule": "has(self.roles.unified) || (self.roles.prefill.parallelism.data == 1 &&"
+            " self.roles.decode.parallelism.data == 1)",
+            "message": _DATA_UNIFIED,
+        },
+        {
             "rule": "has(self.roles.unified) ? self.kvTransfer.connector == 'none'"
             " : self.kvTransfer.connector != 'none'",
             "message": "prefill/decode roles need a KV connector (tcp or mooncake); unified needs none",
@@ -435,6 +456,13 @@ class InferenceDeploymentSpec(_Model):
                     f" (1 when gpusPerPod is 0), got {ranks} ranks and"
                     f" gpusPerPod {role.gpus_per_pod}"
                 )
+            if role.parallelism.data > 1 and (
+                ranks > role.gpus_per_pod or role.parallelism.pipeline > 1
+            ):
+                raise ValueError(f"roles.{name}: {_DATA_IN_ONE_POD}, got {ranks} ranks and"
+                                 f" gpusPerPod {role.gpus_per_pod}")  # fmt: skip
+            if role.parallelism.data > 1 and name != "unified":
+                raise ValueError(f"roles.{name}: {_DATA_UNIFIED}")
             if not self.model.moe and (role.parallelism.expert or role.eplb.enabled):
                 raise ValueError(f"roles.{name}: expert parallel and EPLB need model.moe: true")
             p = role.parallelism

@@ -22,6 +22,7 @@ __all__ = [
     "AUTOSCALER_SCRAPE_ERRORS",
     "AUTOSCALER_TICK_SECONDS",
     "E2E_REQUEST_LATENCY",
+    "ENGINE_LABEL",
     "ENGINE_METRICS",
     "EPLB_BALANCEDNESS",
     "EPLB_LAST_REARRANGE_SECONDS",
@@ -71,6 +72,10 @@ __all__ = [
 
 MODEL_NAME_LABEL = "model_name"
 """The one label every engine metric carries (the served model name)."""
+ENGINE_LABEL = "engine"
+"""With data parallel (`--data-parallel-size` > 1), the second label of every engine metric: the
+DP rank whose series it is ("0", "1", ...; vLLM's label), so a server exports one series per
+rank; without, engine metrics carry no such label."""
 
 TTFT_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

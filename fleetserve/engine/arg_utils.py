@@ -285,9 +285,7 @@ class EngineArgs:
 
 # NOTE: each entry names an option whose feature is not built yet, the issue that builds it, and
 # when the option counts as "asked for". Lift an entry when its issue lands.
-_UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
-    ("data_parallel_size", "data-parallel ranks", "issue 16"),
-)
+_UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = ()
 _EPLB_ONLY = (
     "num_redundant_experts",
     "eplb_window_size",
@@ -331,9 +329,43 @@ def _refuse_unimplemented(args: EngineArgs) -> None:
                 f"{name}={value} with speculative_config is not implemented yet; speculative "
                 f"decoding needs {name}=1"
             )
+    _refuse_unimplemented_data_parallel(args)
     for name in _EPLB_ONLY:
         if getattr(args, name) != getattr(defaults, name) and not args.enable_eplb:
             raise ValueError(f"{name} is an EPLB setting; it needs enable_eplb=True")
+
+
+def _refuse_unimplemented_data_parallel(args: EngineArgs) -> None:
+    """Data parallel is built for one pod's colocated engines (`DPAsyncLLM`); refuse the rest."""
+    size = args.data_parallel_size
+    if size == 1:
+        return
+    if args.kv_transfer_config is not None:
+        raise ValueError(
+            f"data_parallel_size={size} with kv_transfer_config asks for KV transfer between "
+            "data-parallel ranks, which this build does not implement yet (issue 16); run P/D "
+            "engines with data_parallel_size 1 and scale them with replicas"
+        )
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size={size} with pipeline_parallel_size="
+            f"{args.pipeline_parallel_size} is not implemented yet (issue 16); data parallel "
+            "needs pipeline_parallel_size 1"
+        )
+    if args.enable_expert_parallel and args.tensor_parallel_size > 1:
+        # NOTE: lockstep ranks run one in-process worker each; a lockstep rank driving a
+        # multi-process executor over a slice of the shared world is not built.
+        raise ValueError(
+            f"data_parallel_size={size} with enable_expert_parallel and tensor_parallel_size="
+            f"{args.tensor_parallel_size} is not implemented yet (issue 16); lockstep data "
+            "parallel needs tensor_parallel_size 1"
+        )
+    if args.enable_expert_parallel and args.speculative_config is not None:
+        # NOTE: a draft's forwards would meet no dummy forward on the other ranks.
+        raise ValueError(
+            f"data_parallel_size={size} with enable_expert_parallel and speculative_config is "
+            "not implemented yet (issue 16): lockstep data parallel runs without speculation"
+        )
 
 
 def _check_expert_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
@@ -432,6 +464,12 @@ def _check_group_env(args: EngineArgs, env: Env) -> None:
         )
     if env.rank is not None and env.rank >= world:
         raise ValueError(f"{env_name('rank')}={env.rank} must be < the world size {world}")
+    if args.data_parallel_size > 1 and env.group_size is not None and env.group_size > 1:
+        raise ValueError(
+            f"data_parallel_size={args.data_parallel_size} in a group of {env.group_size} pods "
+            f"({env_name('group_size')}) is not implemented yet (issue 16): data-parallel ranks "
+            "run in one pod, behind its one server"
+        )
 
 
 def _base_type(annotation: Any) -> type:

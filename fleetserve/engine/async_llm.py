@@ -33,7 +33,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 
-from fleetserve.common.metric_names import MODEL_NAME_LABEL
+from fleetserve.common.metric_names import ENGINE_LABEL, MODEL_NAME_LABEL
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.engine_core_proc import OUTPUT_HWM, run_engine_core
 from fleetserve.engine.core.messages import (
@@ -50,12 +50,15 @@ from fleetserve.engine.core.messages import (
     AddRequestMessage,
     CoreMessage,
     CoreOutputs,
+    DPWaveMessage,
     FailedMessage,
     InputMessage,
     ReadyMessage,
     ShutdownMessage,
+    StartWaveMessage,
     StopMessage,
 )
+from fleetserve.engine.distributed.data_parallel import DPCoreSpec
 from fleetserve.engine.engine_client import (
     DEFAULT_MAX_PENDING_OUTPUTS,
     EngineDeadError,
@@ -83,6 +86,18 @@ SLOW_READER_ABORTS = "fleetserve:slow_reader_aborts"
 """Counter (exported as `..._total`): requests aborted because their reader fell behind."""
 
 
+def slow_reader_counter(registry: CollectorRegistry | None, *, per_engine: bool) -> Counter:
+    """The `SLOW_READER_ABORTS` family in `registry` (a private one when None), labelled
+    `model_name` (+ `engine`, the data-parallel rank, when `per_engine`)."""
+    labels = [MODEL_NAME_LABEL, ENGINE_LABEL] if per_engine else [MODEL_NAME_LABEL]
+    return Counter(
+        SLOW_READER_ABORTS,
+        "Requests aborted because their client read the outputs too slowly.",
+        labels,
+        registry=registry if registry is not None else CollectorRegistry(),
+    )
+
+
 @dataclass
 class _RequestState:
     """API-side bookkeeping of one live request (by the caller's id): its output queue and
@@ -103,6 +118,10 @@ class AsyncLLM:
         max_pending_outputs: a request whose reader leaves this many outputs unread is
             aborted with `SlowReaderError` (bounds the memory a stalled client can hold).
         skip_tokenizer_init: load no tokenizer; token-id prompts and outputs only.
+        data_parallel: this client drives one rank of a data-parallel engine (`DPAsyncLLM`),
+            which its core is told; `on_wave` gets the core's wave messages, `on_dead` the
+            reason once this engine is dead, and `slow_reader_aborts` is the (rank's) counter
+            to count into instead of registering one in `registry`.
     """
 
     def __init__(
@@ -114,6 +133,10 @@ class AsyncLLM:
         registry: CollectorRegistry | None = None,
         max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS,
         skip_tokenizer_init: bool = False,
+        data_parallel: DPCoreSpec | None = None,
+        on_wave: Callable[[DPWaveMessage], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
+        slow_reader_aborts: Any = None,
     ) -> None:
         if max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {max_pending_outputs}")
@@ -130,12 +153,14 @@ class AsyncLLM:
         """Reported by the core when it is ready."""
         self.kv_connector: dict[str, Any] | None = None
         """With a KV connector: how peers reach it (from the core's ready message)."""
-        self._slow_reader_aborts = Counter(
-            SLOW_READER_ABORTS,
-            "Requests aborted because their client read the outputs too slowly.",
-            [MODEL_NAME_LABEL],
-            registry=registry if registry is not None else CollectorRegistry(),
-        ).labels(metrics.model_name)
+        self._slow_reader_aborts = (
+            slow_reader_aborts
+            if slow_reader_aborts is not None
+            else slow_reader_counter(registry, per_engine=False).labels(metrics.model_name)
+        )
+        self.data_parallel = data_parallel
+        self._on_wave = on_wave
+        self._on_dead = on_dead
         self._processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _RequestState] = {}
         self._num_adds_sent = 0
@@ -170,7 +195,7 @@ class AsyncLLM:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self.config, input_address, output_address),
+            args=(self.config, input_address, output_address, self.data_parallel),
             name="fleetserve-engine-core",
             daemon=True,
         )
@@ -230,6 +255,11 @@ class AsyncLLM:
             and task is not None
             and not task.done()
         )
+
+    @property
+    def core_pid(self) -> int | None:
+        """The core process's id (None before `start`)."""
+        return None if self._proc is None else self._proc.pid
 
     @property
     def num_waiting(self) -> int:
@@ -354,6 +384,8 @@ class AsyncLLM:
                 message = self._decoder.decode(await self._output.recv())
                 if isinstance(message, CoreOutputs):
                     self._handle_outputs(message)
+                elif isinstance(message, DPWaveMessage) and self._on_wave is not None:
+                    self._on_wave(message)
                 else:
                     logger.warning("ignoring unexpected engine core message %r", message)
                 # NOTE: a recv that is ready returns without yielding; let the readers drain
@@ -428,6 +460,15 @@ class AsyncLLM:
         if output.finished:
             metrics.e2e_request_latency.observe(now - state.arrival_time)
 
+    def start_wave(self, wave: int) -> None:
+        """Lockstep data parallel: tell the core to run wave `wave` (see `DPAsyncLLM`)."""
+        self._send(StartWaveMessage(wave=wave))
+
+    def kill(self, reason: str) -> None:
+        """End this engine now: every request fails with `EngineDeadError(reason)` and the
+        core is told to stop (a data-parallel engine whose other rank died)."""
+        self._die(reason)
+
     def _fail(self, request_id: str, error: BaseException) -> None:
         """End one request with `error`: forget it, abort it in the core, wake its reader."""
         state = self._requests.get(request_id)
@@ -452,6 +493,8 @@ class AsyncLLM:
         self._dead_reason = reason
         self._fail_all(EngineDeadError(reason))
         self._send(ShutdownMessage())  # it would compute for nobody
+        if self._on_dead is not None:
+            self._on_dead(reason)
 
     def _on_output_task_done(self, task: asyncio.Task[None]) -> None:
         if self._dead_reason is None:

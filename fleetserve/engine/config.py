@@ -178,10 +178,23 @@ class ParallelConfig:
     distributed_executor_backend: str = "auto"
     """'uni' (one worker in the engine core's process; one rank only), 'mp' (one worker
     process per rank) or 'auto' ('uni' for one rank, else 'mp'; see `executor_backend`)."""
+    data_parallel_rank: int = 0
+    """Which data-parallel rank this engine core is (set per core by `DPAsyncLLM`)."""
+    force_dp_lockstep: bool = False
+    """Run data-parallel ranks in lockstep even for a dense model (a test hook: it puts a real
+    cross-rank collective in every forward, as the MoE layers do under expert parallelism)."""
+    data_parallel_init_method: str | None = None
+    """Lockstep only: the rendezvous every DP rank's workers join (one world across DP)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        _require(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            "data_parallel_rank",
+            f"in [0, {self.data_parallel_size})",
+            self.data_parallel_rank,
+        )
         _require(
             self.distributed_executor_backend in _EXECUTOR_BACKENDS,
             "distributed_executor_backend",
@@ -212,6 +225,14 @@ class ParallelConfig:
     def world_size_across_dp(self) -> int:
         """Ranks of the whole replica group: tensor × pipeline × data."""
         return self.world_size * self.data_parallel_size
+
+    @property
+    def needs_dp_lockstep(self) -> bool:
+        """Whether the data-parallel ranks must step together: their workers share collectives
+        (the EP group spans DP × TP), so an idle rank runs dummy forwards while others work."""
+        return self.data_parallel_size > 1 and (
+            self.enable_expert_parallel or self.force_dp_lockstep
+        )
 
 
 @dataclass(frozen=True, slots=True)

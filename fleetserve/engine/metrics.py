@@ -31,9 +31,11 @@ class _Totals:
     num_preemptions: int = 0
 
 
-def register(registry: CollectorRegistry, spec: MetricSpec) -> Any:
-    """The metric `spec` declares, in `registry`, labelled `model_name` (+ `spec.labels`)."""
-    labels = [names.MODEL_NAME_LABEL, *spec.labels]
+def register(registry: CollectorRegistry, spec: MetricSpec, *, per_engine: bool = False) -> Any:
+    """The metric `spec` declares, in `registry`, labelled `model_name` (+ `engine` when
+    `per_engine`, + `spec.labels`)."""
+    engine = [names.ENGINE_LABEL] if per_engine else []
+    labels = [names.MODEL_NAME_LABEL, *engine, *spec.labels]
     if spec.kind == "gauge":
         return Gauge(spec.name, spec.documentation, labels, registry=registry)
     if spec.kind == "counter":
@@ -43,10 +45,31 @@ def register(registry: CollectorRegistry, spec: MetricSpec) -> Any:
                      registry=registry)  # fmt: skip
 
 
+class MetricFamilies:
+    """Each engine metric registered once in `registry`, labelled per engine (`engine`, the
+    data-parallel rank) when `per_engine`: the engines of one data-parallel server share it, so
+    every family holds one series per rank."""
+
+    def __init__(self, registry: CollectorRegistry, *, per_engine: bool = False) -> None:
+        self.registry = registry
+        self.per_engine = per_engine
+        self._families: dict[str, Any] = {}
+
+    def family(self, spec: MetricSpec) -> Any:
+        """The family of `spec` (registered on first use)."""
+        if spec.name not in self._families:
+            self._families[spec.name] = register(self.registry, spec, per_engine=self.per_engine)
+        return self._families[spec.name]
+
+
 class EngineMetrics:
     """The `vllm:*` metrics of one served model, registered in `registry` (and the
     `fleetserve:kv_*` ones when the engine transfers KV, `kv_transfer=True`; the
-    `vllm:spec_decode_*` ones with speculative decoding, `spec_decode=True`)."""
+    `vllm:spec_decode_*` ones with speculative decoding, `spec_decode=True`).
+
+    One data-parallel rank's metrics: `families` (per engine) shared by the ranks of one server,
+    `engine` this rank's label value.
+    """
 
     def __init__(
         self,
@@ -56,11 +79,20 @@ class EngineMetrics:
         kv_transfer: bool = False,
         spec_decode: bool = False,
         eplb: bool = False,
+        families: MetricFamilies | None = None,
+        engine: str | None = None,
     ) -> None:
+        if families is None:
+            families = MetricFamilies(registry)
+        if families.per_engine != (engine is not None):
+            raise ValueError("engine must be given exactly when the families are per engine")
         self.model_name = model_name
+        self.labels: tuple[str, ...] = (model_name,) if engine is None else (model_name, engine)
+        """The label values every series of this engine starts with."""
+        labels = self.labels
 
         def make(spec: MetricSpec) -> Any:
-            return register(registry, spec).labels(model_name)
+            return families.family(spec).labels(*labels)
 
         self.num_requests_running: Gauge = make(names.NUM_REQUESTS_RUNNING)
         self.num_requests_waiting: Gauge = make(names.NUM_REQUESTS_WAITING)
@@ -76,9 +108,9 @@ class EngineMetrics:
         self.e2e_request_latency: Histogram = make(names.E2E_REQUEST_LATENCY)
         self.request_queue_time: Histogram = make(names.REQUEST_QUEUE_TIME)
         self._totals = _Totals()
-        self.kv_transfer = KVTransferMetrics(registry, model_name) if kv_transfer else None
-        self.spec_decode = SpecDecodeMetrics(registry, model_name) if spec_decode else None
-        self.eplb = EplbMetrics(registry, model_name) if eplb else None
+        self.kv_transfer = KVTransferMetrics(families, labels) if kv_transfer else None
+        self.spec_decode = SpecDecodeMetrics(families, labels) if spec_decode else None
+        self.eplb = EplbMetrics(families, labels) if eplb else None
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Update gauges and cumulative counters from the core's per-step stats."""
@@ -107,16 +139,14 @@ class EngineMetrics:
 class SpecDecodeMetrics:
     """The `vllm:spec_decode_*` counters, from the scheduler's cumulative acceptance counts."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.model_name = model_name
-        self.num_drafts = register(registry, names.SPEC_DECODE_NUM_DRAFTS).labels(model_name)
-        self.num_draft_tokens = register(registry, names.SPEC_DECODE_NUM_DRAFT_TOKENS).labels(
-            model_name
+    def __init__(self, families: MetricFamilies, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.num_drafts = families.family(names.SPEC_DECODE_NUM_DRAFTS).labels(*labels)
+        self.num_draft_tokens = families.family(names.SPEC_DECODE_NUM_DRAFT_TOKENS).labels(*labels)
+        self.num_accepted_tokens = families.family(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS).labels(
+            *labels
         )
-        self.num_accepted_tokens = register(registry, names.SPEC_DECODE_NUM_ACCEPTED_TOKENS).labels(
-            model_name
-        )
-        self.per_pos = register(registry, names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
+        self.per_pos = families.family(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
         self._seen = SpecDecodingStats()
 
     def record(self, stats: SpecDecodingStats) -> None:
@@ -130,27 +160,25 @@ class SpecDecodeMetrics:
                 if position < len(seen.num_accepted_tokens_per_pos)
                 else 0
             )
-            self.per_pos.labels(self.model_name, str(position)).inc(max(0, total - before))
+            self.per_pos.labels(*self.labels, str(position)).inc(max(0, total - before))
         self._seen = stats.copy()
 
 
 class EplbMetrics:
     """The `fleetserve:eplb_*` metrics, from the EP group's cumulative EPLB counts."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, families: MetricFamilies, labels: tuple[str, ...]) -> None:
+        self.labels = labels
         # NOTE: no child until a window has been measured: a 0 would read as "all on one rank".
-        self.balancedness = register(registry, names.EPLB_BALANCEDNESS)
-        self.rebalances = register(registry, names.EPLB_REBALANCES).labels(model_name)
-        self.skipped = register(registry, names.EPLB_REBALANCES_SKIPPED).labels(model_name)
-        self.last_rearrange_s = register(registry, names.EPLB_LAST_REARRANGE_SECONDS).labels(
-            model_name
-        )
+        self.balancedness = families.family(names.EPLB_BALANCEDNESS)
+        self.rebalances = families.family(names.EPLB_REBALANCES).labels(*labels)
+        self.skipped = families.family(names.EPLB_REBALANCES_SKIPPED).labels(*labels)
+        self.last_rearrange_s = families.family(names.EPLB_LAST_REARRANGE_SECONDS).labels(*labels)
         self._seen = EplbStats()
 
     def record(self, stats: EplbStats) -> None:
         if stats.balancedness is not None:
-            self.balancedness.labels(self.model_name).set(stats.balancedness)
+            self.balancedness.labels(*self.labels).set(stats.balancedness)
         self.rebalances.inc(max(0, stats.rebalances - self._seen.rebalances))
         self.skipped.inc(max(0, stats.skipped - self._seen.skipped))
         self.last_rearrange_s.set(stats.last_rearrange_s)
@@ -161,17 +189,21 @@ class KVTransferMetrics:
     """The `fleetserve:kv_*` metrics, from the connector's cumulative counters and its
     per-transfer observations (each observed exactly once: the core hands them over once)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.model_name = model_name
-        self.seconds = register(registry, names.KV_TRANSFER_SECONDS).labels(model_name)
-        self.bytes = register(registry, names.KV_TRANSFER_BYTES).labels(model_name)
-        self.descriptors = register(registry, names.KV_TRANSFER_DESCRIPTORS).labels(model_name)
-        self.transfers = register(registry, names.KV_TRANSFERS)
-        self.active_leases = register(registry, names.KV_ACTIVE_LEASES).labels(model_name)
-        self.lease_expirations = register(registry, names.KV_LEASE_EXPIRATIONS).labels(model_name)
-        self.handshakes = register(registry, names.KV_HANDSHAKES).labels(model_name)
-        self.blocks_recomputed = register(registry, names.KV_BLOCKS_RECOMPUTED).labels(model_name)
-        self.tokens_loaded = register(registry, names.KV_TOKENS_LOADED).labels(model_name)
+    def __init__(self, families: MetricFamilies, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+
+        def make(spec: MetricSpec) -> Any:
+            return families.family(spec).labels(*labels)
+
+        self.seconds = make(names.KV_TRANSFER_SECONDS)
+        self.bytes = make(names.KV_TRANSFER_BYTES)
+        self.descriptors = make(names.KV_TRANSFER_DESCRIPTORS)
+        self.transfers = families.family(names.KV_TRANSFERS)
+        self.active_leases = make(names.KV_ACTIVE_LEASES)
+        self.lease_expirations = make(names.KV_LEASE_EXPIRATIONS)
+        self.handshakes = make(names.KV_HANDSHAKES)
+        self.blocks_recomputed = make(names.KV_BLOCKS_RECOMPUTED)
+        self.tokens_loaded = make(names.KV_TOKENS_LOADED)
         self._seen: dict[str, int] = {}
 
     def _inc(self, counter: Any, key: str, total: int) -> None:
@@ -183,10 +215,10 @@ class KVTransferMetrics:
             self.seconds.observe(observation.seconds)
             self.bytes.observe(observation.bytes)
             self.descriptors.observe(observation.descriptors)
-        ok = self.transfers.labels(self.model_name, "ok", "")
+        ok = self.transfers.labels(*self.labels, "ok", "")
         self._inc(ok, "ok", stats.transfers_ok)
         for stage, count in stats.failures_by_stage.items():
-            self._inc(self.transfers.labels(self.model_name, "failed", stage), stage, count)
+            self._inc(self.transfers.labels(*self.labels, "failed", stage), stage, count)
         self.active_leases.set(stats.active_leases)
         self._inc(self.lease_expirations, "expirations", stats.lease_expirations)
         self._inc(self.handshakes, "handshakes", stats.handshakes)

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from fleetserve.engine.async_llm import AsyncLLM
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.dp_async_llm import DPAsyncLLM
 from fleetserve.engine.engine_client import DEFAULT_MAX_PENDING_OUTPUTS, EngineClient
 from fleetserve.engine.metrics import EngineMetrics
 from fleetserve.openai.errors import (
@@ -132,6 +133,15 @@ async def _engine_ctx(
 ) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
     engine = engine_client
+    if engine is None and config.engine.parallel.data_parallel_size > 1:
+        engine = DPAsyncLLM(
+            config.engine,
+            registry=app[REGISTRY_KEY],
+            model_name=config.served_model_name,
+            max_waiting_requests=config.max_waiting_requests,
+            max_pending_outputs=config.max_pending_outputs,
+            skip_tokenizer_init=config.skip_tokenizer_init,
+        )
     if engine is None:
         metrics = EngineMetrics(
             app[REGISTRY_KEY],

@@ -80,7 +80,13 @@ def test_chunked_prefill_off_needs_room_for_a_whole_prompt() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"data_parallel_size": 2}, "data_parallel_size"),
+        (
+            {
+                "data_parallel_size": 2,
+                "kv_transfer_config": {"connector": "tcp", "role": "producer"},
+            },
+            "data_parallel_size",
+        ),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
     ],
 )

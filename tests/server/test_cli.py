@@ -55,7 +55,7 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
     model = str(bundled_model_path())
     for flags, name in (
         (["--enable-expert-parallel"], "enable_expert_parallel"),
-        (["--data-parallel-size", "2"], "data_parallel_size"),
+        (["--data-parallel-size", "2", "--pipeline-parallel-size", "2"], "data_parallel_size"),
     ):
         with pytest.raises(ValueError, match=rf"^{name}=.*not implement"):
             build_server_config(_parse(model, *flags))

@@ -89,19 +89,21 @@ def test_python_validation_mirrors_cel() -> None:
     [
         ({"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 2}}, True),
         ({"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 3}}, False),
-        ({"gpusPerPod": 2, "parallelism": {"data": 4}}, True),
+        ({"gpusPerPod": 4, "parallelism": {"data": 4}}, True),
+        # Data-parallel ranks run in one pod (issue 16: `DPAsyncLLM`).
+        ({"gpusPerPod": 2, "parallelism": {"data": 4}}, False),
         ({"gpusPerPod": 0, "parallelism": {"data": 2}}, False),
         ({"gpusPerPod": 0}, True),
     ],
 )
 def test_data_parallel_counts_in_the_gpus_per_pod_rule(role: dict, ok: bool) -> None:
     """tensor × pipeline × data, the same product in Python as in the CEL rule."""
-    body = _spec(prefill={}, decode=role)
+    body = {**_spec(unified=role), "kvTransfer": {"connector": "none"}}
     if ok:
         spec = InferenceDeploymentSpec.model_validate(body)
-        assert spec.roles.decode is not None
-        p = spec.roles.decode.parallelism
-        assert spec.roles.decode.world_size == p.tensor * p.pipeline * p.data
+        assert spec.roles.unified is not None
+        p = spec.roles.unified.parallelism
+        assert spec.roles.unified.world_size == p.tensor * p.pipeline * p.data
     else:
         with pytest.raises(ValidationError, match=r"tensor × pipeline × data .* gpusPerPod"):
             InferenceDeploymentSpec.model_validate(body)

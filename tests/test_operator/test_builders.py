@@ -186,26 +186,18 @@ def test_multinode_decode_group_and_layout() -> None:
 
 
 def test_data_parallel_counts_in_world_and_group_size() -> None:
+    # Data-parallel ranks run in one pod behind one server (issue 16: `DPAsyncLLM`).
     spec = _spec(
-        roles={
-            "prefill": {"gpusPerPod": 4, "parallelism": {"tensor": 2, "data": 2}},
-            "decode": {"gpusPerPod": 4, "parallelism": {"tensor": 2, "pipeline": 2, "data": 3}},
-        }
+        roles={"unified": {"gpusPerPod": 6, "parallelism": {"tensor": 2, "data": 3}}},
+        kvTransfer={"connector": "none"},
     )
-    prefill, decode = _engines(spec)
-    assert prefill["spec"]["replicas"] == 1 and decode["spec"]["replicas"] == 3
-    assert _env(_container(prefill))["FLEETSERVE_WORLD_SIZE"] == "4"
-    assert _env(_container(decode))["FLEETSERVE_WORLD_SIZE"] == "12"
-    args = _container(decode)["args"]
+    (unified,) = _engines(spec)
+    assert unified["spec"]["replicas"] == 1
+    assert _env(_container(unified))["FLEETSERVE_WORLD_SIZE"] == "6"
+    assert _env(_container(unified))["FLEETSERVE_GROUP_SIZE"] == "1"
+    args = _container(unified)["args"]
     i = args.index("--tensor-parallel-size")
-    assert args[i : i + 6] == [
-        "--tensor-parallel-size",
-        "2",
-        "--pipeline-parallel-size",
-        "2",
-        "--data-parallel-size",
-        "3",
-    ]
+    assert args[i : i + 4] == ["--tensor-parallel-size", "2", "--data-parallel-size", "3"]
 
 
 def test_moe_eplb_flags() -> None:
@@ -246,28 +238,26 @@ def test_kv_transfer_config_keys_are_the_api_field_names() -> None:
     assert set(kv) <= {f.name for f in fields(KVTransferConfig)}
 
 
-def _maximal_spec() -> InferenceDeploymentSpec:
+def _maximal_specs() -> list[InferenceDeploymentSpec]:
+    """Between them every flag: data parallel runs in a unified role only (issue 16)."""
+    model = {"name": "m", "source": {"uri": "/m"}, "moe": True, "maxModelLen": 64}
     role = {
-        "gpusPerPod": 8,
-        "parallelism": {"tensor": 2, "pipeline": 2, "data": 2, "expert": True},
+        "gpusPerPod": 4,
+        "parallelism": {"tensor": 2, "pipeline": 2, "expert": True},
         "eplb": {"enabled": True, "useAsync": True},
     }
-    return _spec(
-        model={
-            "name": "m",
-            "source": {"uri": "/m"},
-            "moe": True,
-            "maxModelLen": 64,
-            "quantization": "int8",
-        },
-        roles={"prefill": role, "decode": role},
-    )
+    unified = {"gpusPerPod": 4, "parallelism": {"data": 2, "tensor": 2, "expert": True}}
+    model = {**model, "quantization": "int8"}
+    return [
+        _spec(model=model, roles={"prefill": role, "decode": role}),
+        _spec(model=model, roles={"unified": unified}, kvTransfer={"connector": "none"}),
+    ]
 
 
 def test_engine_flags_lists_every_rendered_flag() -> None:
     """ENGINE_FLAGS is the renderer's whole flag surface (the engine's parser must accept it)."""
     maximal = set()
-    for sts in _engines(_maximal_spec()):
+    for sts in (s for spec in _maximal_specs() for s in _engines(spec)):
         maximal |= {a for a in _container(sts)["args"] if a.startswith("--")}
     assert maximal == set(ENGINE_FLAGS)
     for sample in SAMPLES:

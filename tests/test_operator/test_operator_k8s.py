@@ -70,6 +70,12 @@ def _children(env: OperatorEnv, ns: str, name: str) -> set[tuple[str, str]]:
             "multiple of gpusPerPod",
         ),
         ({"prefill": {}, "decode": {"parallelism": {"expert": True}}}, "need a MoE model"),
+        # Data parallel (issue 16): every rank in one pod, in a unified role.
+        ({"prefill": {}, "decode": {"parallelism": {"data": 2}}}, "data > 1 needs a unified role"),
+        (
+            {"unified": {"gpusPerPod": 2, "parallelism": {"tensor": 2, "data": 2}}},
+            "data > 1 runs every data-parallel rank in one pod",
+        ),
         ("autoscaling", "autoscaling min must be <= max"),
         ("connector", 'Unsupported value: "foo"'),
         ("rdma", "protocol rdma needs the mooncake connector"),

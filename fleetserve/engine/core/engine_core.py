@@ -59,11 +59,19 @@ class EngineCore:
             allows (`pipeline_parallel_size` with 'mp'); 1 runs every step synchronously.
 
     Raises:
-        ValueError: `max_concurrent_batches` below 1 or above what the executor allows.
+        ValueError: `max_concurrent_batches` below 1 or above what the executor allows, or a
+            data-parallel config that is not one rank's (`data_parallel.rank_config`).
     """
 
     def __init__(self, config: EngineConfig, *, max_concurrent_batches: int | None = None) -> None:
         load_general_plugins()  # before the executor builds the model (a plugin's architecture)
+        parallel = config.parallel
+        if parallel.data_parallel_size > 1 and parallel.data_parallel_init_method is None:
+            raise ValueError(
+                f"data_parallel_size={parallel.data_parallel_size} runs one engine core per "
+                "rank, which `fleetserve serve` starts (DPAsyncLLM); the offline LLM and a lone "
+                "EngineCore run one: use data_parallel_size 1"
+            )
         self.config = config
         executor_cls = Executor.get_class(config.parallel)
         self.executor: Executor = executor_cls(config)

@@ -48,9 +48,11 @@ from fleetserve.engine.core.messages import (
     FailedMessage,
     InputMessage,
     ReadyMessage,
+    StartWaveMessage,
     StopMessage,
 )
 from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from fleetserve.engine.distributed.data_parallel import DPCoreSpec
 from fleetserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,8 +65,20 @@ SEND_POLL_MS = 100
 """While waiting to send: how often the core checks that its parent still lives."""
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Process entry point: serve `config`'s engine until shutdown or the parent's death."""
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    data_parallel: DPCoreSpec | None = None,
+) -> None:
+    """Process entry point: serve `config`'s engine until shutdown or the parent's death.
+
+    `data_parallel`: this core is one rank of a data-parallel engine (`DPAsyncLLM`): its
+    devices, and in lockstep its wave group (`data_parallel_lockstep`).
+    """
+    if data_parallel is not None and data_parallel.visible_devices is not None:
+        # NOTE: before anything initialises CUDA here or in the workers this process spawns.
+        os.environ["CUDA_VISIBLE_DEVICES"] = data_parallel.visible_devices
     # NOTE: Ctrl-C reaches the whole process group; the API server owns shutdown and sends
     # ShutdownMessage, so the core must not die mid-step from the same SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -84,6 +98,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from fleetserve.engine.core.engine_core import EngineCore
 
         core = EngineCore(config)
+        lockstep = None
+        if data_parallel is not None and data_parallel.lockstep:
+            from fleetserve.engine.distributed.data_parallel_lockstep import Lockstep
+
+            lockstep = Lockstep.join(core, data_parallel)
     except Exception as exc:
         logger.exception("engine core failed to start")
         output_socket.send(encoder.encode(FailedMessage(error=f"{type(exc).__name__}: {exc}")))
@@ -112,8 +131,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     )
     output_socket.send(encoder.encode(ready))
     try:
-        _EngineLoop(core, input_socket, output_socket).run()
+        if lockstep is None:
+            _EngineLoop(core, input_socket, output_socket).run()
+        else:
+            lockstep.loop(input_socket, output_socket).run()
     finally:
+        if lockstep is not None:
+            lockstep.close()
         core.shutdown()
         input_socket.close(linger=0)
         output_socket.close()
@@ -328,8 +352,14 @@ class _EngineLoop:
         elif isinstance(message, StopMessage):
             self.core.stop_requests(message.request_ids)
             self._forget(message.request_ids)
+        elif isinstance(message, StartWaveMessage):
+            self._start_wave(message.wave)
         else:
             self.shutdown = True
+
+    def _start_wave(self, wave: int) -> None:
+        """Lockstep data parallel only (`data_parallel_lockstep`); any other core ignores it."""
+        logger.warning("ignoring a data-parallel wave start (%d): this core is not lockstep", wave)
 
     def _fail_add(self, request_id: str, exc: Exception) -> None:
         """Fail one add that did not go in (its error reaches that request only)."""

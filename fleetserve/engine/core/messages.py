@@ -19,10 +19,12 @@ __all__ = [
     "AddRequestMessage",
     "CoreMessage",
     "CoreOutputs",
+    "DPWaveMessage",
     "FailedMessage",
     "InputMessage",
     "ReadyMessage",
     "ShutdownMessage",
+    "StartWaveMessage",
     "StopMessage",
 ]
 
@@ -58,7 +60,14 @@ class ShutdownMessage(msgspec.Struct, tag="shutdown"):
     pass
 
 
-InputMessage = AddRequestMessage | AbortMessage | StopMessage | ShutdownMessage
+class StartWaveMessage(msgspec.Struct, tag="start_wave"):
+    """Lockstep data parallel: run wave `wave` with the other ranks (sent to every rank;
+    `fleetserve.engine.distributed.data_parallel.WaveTracker`)."""
+
+    wave: int
+
+
+InputMessage = AddRequestMessage | AbortMessage | StopMessage | ShutdownMessage | StartWaveMessage
 
 # -- core → API server ------------------------------------------------------------------------
 
@@ -97,5 +106,16 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     sent minus this is exactly what is still on its way, for admission control."""
 
 
-CoreMessage = ReadyMessage | FailedMessage | CoreOutputs
-"""Everything the core sends: `ReadyMessage` or `FailedMessage` once, then `CoreOutputs`."""
+class DPWaveMessage(msgspec.Struct, tag="dp_wave"):
+    """Lockstep data parallel: wave `wave` ended on this rank ('complete'), or this rank has
+    work and no running wave, so asks for wave `wave` to start ('request')."""
+
+    kind: str
+    wave: int
+    dummy_steps: int = 0
+    """'complete': the dummy forwards this rank ran in the wave (it had no work of its own)."""
+
+
+CoreMessage = ReadyMessage | FailedMessage | CoreOutputs | DPWaveMessage
+"""Everything the core sends: `ReadyMessage` or `FailedMessage` once, then `CoreOutputs` (and,
+in lockstep data parallel, `DPWaveMessage`)."""

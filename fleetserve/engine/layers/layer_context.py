@@ -16,6 +16,7 @@ import torch
 from fleetserve.engine.custom_ops import is_resolved_custom_ops, uses_custom_op
 
 if TYPE_CHECKING:
+    from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
     from fleetserve.engine.distributed.group import GroupCoordinator
 
 CUSTOM_OPS: tuple[str, ...] = ("torch", "triton")
@@ -50,6 +51,9 @@ class LayerContext:
     """MoE expert GEMMs: 'torch' or 'triton' (`fleetserve.engine.layers.fused_moe`)."""
     num_redundant_experts: int = 0
     """Extra physical expert slots of every MoE layer (EPLB replicas; 0 without EPLB)."""
+    dp_sync: DPStepSync | None = field(default=None, compare=False)
+    """Lockstep data parallel: the DP ranks' token counts of the current forward, and the
+    dispatch MoE layers use when their expert-parallel group spans the DP ranks."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS and not is_resolved_custom_ops(self.custom_ops):

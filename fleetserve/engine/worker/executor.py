@@ -176,7 +176,14 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.worker = Worker(config, rank=0)
+        parallel = config.parallel
+        # NOTE: a lockstep data-parallel rank's one worker is rank `data_parallel_rank` of the
+        # world all DP ranks share (tensor × pipeline is 1 here).
+        self.worker = Worker(
+            config,
+            rank=parallel.data_parallel_rank if parallel.needs_dp_lockstep else 0,
+            distributed_init_method=parallel.data_parallel_init_method,
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -173,6 +173,15 @@ class ModelRunner:
         context = ForwardContext(inputs.metadata, self._kv_caches_by_layer, kv_hooks=None)
         return lambda: model(inputs.input_ids, inputs.positions, context)
 
+    def execute_dummy_batch(self) -> None:
+        """One forward over a single padding row, sampling nothing: slot -1 writes no KV and
+        the row reads only the null block, so no request's state changes. What an idle
+        lockstep data-parallel rank runs so that its peers' collectives in the forward meet it.
+        """
+        assert self.model is not None, "load_model() must run before execute_dummy_batch()"
+        with torch.inference_mode():
+            self._padding_forward(1)()
+
     # -- step ----------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

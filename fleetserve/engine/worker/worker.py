@@ -22,6 +22,7 @@ tears them down after the model is released.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ import torch
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
 from fleetserve.engine.distributed.parallel_state import ParallelState, layout_of
 from fleetserve.engine.distributed.pipeline import PipelineStage
 from fleetserve.engine.distributed.stages import stage_layer_range
@@ -72,7 +74,7 @@ class Worker:
     def __init__(
         self, config: EngineConfig, *, rank: int = 0, distributed_init_method: str | None = None
     ) -> None:
-        if config.parallel.world_size > 1 and distributed_init_method is None:
+        if config.parallel.world_size_across_dp > 1 and distributed_init_method is None:
             raise ValueError("distributed_init_method is required with more than one rank")
         self.config = config
         self.rank = rank
@@ -90,6 +92,8 @@ class Worker:
         self.kv_connector: P2PConnectorWorker | None = None
         """The KV connector's worker role, when the engine transfers KV (built in init_device)."""
         self._kv_arena: SharedKVArena | None = None
+        self.dp_sync: DPStepSync | None = None
+        """Lockstep data parallel: the per-forward agreement with the other DP ranks."""
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -113,7 +117,9 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         parallel = self.config.parallel
         tp_group = None
-        if parallel.world_size > 1:
+        # NOTE: lockstep data-parallel ranks share one world (`world_size_across_dp`); an
+        # independent replica's config has data_parallel_size 1.
+        if parallel.world_size_across_dp > 1:
             assert self.distributed_init_method is not None
             self.parallel_state = ParallelState.create(
                 parallel, rank=self.rank, init_method=self.distributed_init_method,
@@ -121,6 +127,8 @@ class Worker:
             )  # fmt: skip
             if parallel.tensor_parallel_size > 1:
                 tp_group = self.parallel_state.tensor
+            if parallel.needs_dp_lockstep:
+                self.dp_sync = DPStepSync(self.parallel_state.data)
         pp_group = None if self.parallel_state is None else self.parallel_state.pipeline
         ep_group = None if self.parallel_state is None else self.parallel_state.expert
         self.layer_context = build_layer_context(
@@ -129,6 +137,8 @@ class Worker:
             pp_rank=self.pp_rank,
             ep_group=None if ep_group is None or ep_group.world_size == 1 else ep_group,
         )
+        if self.dp_sync is not None:
+            self.layer_context = dataclasses.replace(self.layer_context, dp_sync=self.dp_sync)
         self._runner = ModelRunner(self.config, self.arch, self.layer_context)
         if pp_group is not None and pp_group.world_size > 1:
             self._runner.pipeline = PipelineStage(
@@ -262,7 +272,7 @@ class Worker:
         """
         if self.config.device.enforce_eager:
             return "enforce_eager is set"
-        if self.config.parallel.world_size > 1:
+        if self.config.parallel.world_size_across_dp > 1:
             # NOTE: captured collectives need registered buffers (seed part 2 §2.5); not built.
             return "more than one rank (graphs with collectives are not built yet)"
         if self.device.type != "cuda":
@@ -303,8 +313,32 @@ class Worker:
         return len(sizes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on this rank (see `ModelRunner.execute_model`)."""
-        return self.model_runner.execute_model(scheduler_output)
+        """One step on this rank (see `ModelRunner.execute_model`).
+
+        In lockstep data parallel every call runs exactly one forward, a dummy one when the
+        step computes no token, after agreeing with the other DP ranks (`DPStepSync`).
+        """
+        if self.dp_sync is None:
+            return self.model_runner.execute_model(scheduler_output)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        # NOTE: a step without tokens runs the dummy forward's one padding row instead.
+        self.dp_sync.sync(num_tokens or 1)
+        output = self.model_runner.execute_model(scheduler_output)
+        if num_tokens == 0:
+            self.model_runner.execute_dummy_batch()
+        return output
+
+    def execute_dummy_batch(self) -> None:
+        """Lockstep data parallel: the forward of a rank without work this step (one padding
+        row that touches no request's KV), so that the other ranks' collectives meet it.
+
+        Raises:
+            RuntimeError: the engine is not a lockstep data-parallel rank.
+        """
+        if self.dp_sync is None:
+            raise RuntimeError("execute_dummy_batch is for lockstep data-parallel ranks only")
+        self.dp_sync.sync(1)  # the dummy forward's one padding row
+        self.model_runner.execute_dummy_batch()
 
     def moe_expert_slots(self) -> list[list[int]]:
         """Per MoE layer of this rank (layer order), the physical expert slots it holds

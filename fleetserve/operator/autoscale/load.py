@@ -61,17 +61,23 @@ _SAMPLES: Mapping[str, str] = {
 
 
 def parse_engine_metrics(text: str, time_s: float) -> EngineCounters:
-    """The autoscaler's counters from an engine's Prometheus text (series summed per name).
+    """The autoscaler's counters from an engine's Prometheus text (series summed per name; KV
+    usage, a fraction, averaged over its series: a data-parallel pod exports one per rank, each
+    rank with an equal cache).
 
     Raises:
         ValueError: text that is not the Prometheus exposition format.
     """
     totals = dict.fromkeys(_SAMPLES.values(), 0.0)
+    kv_series = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field = _SAMPLES.get(sample.name)
             if field is not None:
                 totals[field] += float(sample.value)
+                kv_series += field == "kv_usage"
+    if kv_series > 1:
+        totals["kv_usage"] /= kv_series
     return EngineCounters(time_s=time_s, **totals)
 
 

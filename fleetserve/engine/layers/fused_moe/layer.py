@@ -142,6 +142,14 @@ class FusedMoE(nn.Module):
         self._identity_map = num_redundant_experts == 0 and self.physical_to_logical == list(
             range(num_experts)
         )
+        self.dp_sync = (
+            context.dp_sync
+            if self.ep_size > 1 and context.dp_sync is not None and context.tp_size == 1
+            else None
+        )
+        """Lockstep data parallel with the EP group over the DP ranks (tensor parallel 1):
+        tokens are gathered from every DP rank and the outputs combined back over the EP
+        group, which has the DP group's ranks (`distributed.data_parallel_sync`)."""
         self.inter_slice, self.reduce_group = self._split(context, intermediate_size)
         local, inter = self.num_local_physical_experts, self.inter_slice.size
         self.hidden_size = hidden_size
@@ -170,9 +178,10 @@ class FusedMoE(nn.Module):
                 intermediate_size, context.tp_rank, context.tp_size, what="moe_intermediate_size"
             )
             return rows, context.tp_group
-        if context.tp_size != self.ep_size:
+        if context.tp_size != self.ep_size and self.dp_sync is None:
             # NOTE: EP over DP × TP needs each DP rank's tokens dispatched to the others first
-            # (all-gather / all-to-all); only the replicated-hidden case is built.
+            # (`dp_sync`: lockstep data parallel, tensor parallel 1); else only the
+            # replicated-hidden case is built.
             raise ValueError(
                 f"expert parallel over {self.ep_size} ranks with tensor_parallel_size "
                 f"{context.tp_size} needs data-parallel dispatch, which is not built; "
@@ -235,6 +244,11 @@ class FusedMoE(nn.Module):
         same tokens (its tensor-parallel slice, not yet summed; the group here has the TP
         ranks): it is added before the sum, so one all-reduce combines both.
         """
+        dp_sync = self.dp_sync
+        if dp_sync is not None:
+            # NOTE: every DP rank routes every rank's tokens, so each count is the global one.
+            hidden_states = dp_sync.gather(hidden_states)
+            router_logits = dp_sync.gather(router_logits)
         weights, logical = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         physical = self.to_physical(logical)
         if self.expert_load is not None:
@@ -249,6 +263,10 @@ class FusedMoE(nn.Module):
             )
         else:
             out = torch_experts(hidden_states, self.w13_weight, self.w2_weight, weights, local)
+        if dp_sync is not None:
+            # NOTE: tensor parallel 1: the shared expert's output is whole for this rank's rows.
+            out = dp_sync.combine(out)
+            return out if shared_output is None else out + shared_output
         if shared_output is not None:
             out = out + shared_output
         if self.reduce_group is not None:
