@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from fleetserve.engine.lora.config import LoRAConfig
+
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -439,6 +441,8 @@ class EngineConfig:
     """The KV connector of a P/D engine; None = no connector (a colocated engine)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None = off."""
+    lora: LoRAConfig | None = None
+    """Multi-LoRA serving (`fleetserve.engine.lora`); None = off."""
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> EngineConfig:
