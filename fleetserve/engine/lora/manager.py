@@ -50,19 +50,22 @@ def create_lora_modules(
         fused.setdefault(fused_name, []).append((index, part))
     wrappers: dict[int, LoRALinear] = {}
     named: dict[str, LoRALinear] = {}
-    for name, module in list(model.named_modules(remove_duplicate=False)):
+    paths = list(model.named_modules(remove_duplicate=False))
+    for name, module in paths:
         leaf = name.rsplit(".", 1)[-1]
         if not isinstance(module, Linear) or not (leaf in fused or leaf in SUPPORTED_MODULES):
             continue
-        wrapper = wrappers.get(id(module))
-        if wrapper is None:
+        if id(module) not in wrappers:
             prefix = name[: -len(leaf)]
             parts = [prefix + p for _, p in sorted(fused[leaf])] if leaf in fused else [name]
-            wrapper = LoRALinear(module, parts, num_slots, max_rank, state)
-            wrappers[id(module)] = wrapper
-            named[name] = wrapper
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, leaf, wrapper)
+            wrappers[id(module)] = LoRALinear(module, parts, num_slots, max_rank, state)
+            named[name] = wrappers[id(module)]
+    # NOTE: every path of a wrapped module, whatever it is called there, gets the same wrapper.
+    for name, module in paths:
+        wrapper = wrappers.get(id(module))
+        if wrapper is not None:
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], wrapper)
     return named
 
 
