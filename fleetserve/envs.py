@@ -58,6 +58,9 @@ class Env:
     leader_address: str | None = None
     """Address of the group's pod 0 (its DNS name on a cluster), where the other pods join its
     process group."""
+    allow_runtime_lora_updating: int | None = None
+    """1: the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); otherwise they answer 400 and only --lora-modules serve."""
 
     @property
     def cache_root(self) -> Path:
