@@ -36,6 +36,7 @@ _BENCHES = (
     ("pd-handover", "pd_handover", "TTFT of a prefill/decode pair vs one engine, transfer split out"),
     ("parallel", "parallel", "decode step time of the mp executor vs uni (TP 1, 2) and all-reduce latency"),
     ("spec-decode", "spec_decode", "tokens/s with and without speculative decoding, acceptance rates"),
+    ("lora", "lora", "throughput of the base model vs a batch mixing several LoRA adapters"),
 )  # fmt: skip
 """`fleetserve bench` subcommands: (name, module under fleetserve.bench, help). Each module has
 `add_arguments(parser)` and `run_from_args(args) -> int`."""
