@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fleetserve.engine.layers.linear import Linear
-from fleetserve.engine.lora.ops import lora_delta
+from fleetserve.engine.lora.ops import lora_delta, lora_delta_segmented
 from fleetserve.engine.lora.weights import LoRAWeights
 
 __all__ = ["LoRALinear", "LoRAStepState"]
@@ -27,12 +27,25 @@ class LoRAStepState:
 
     `token_slots` is a persistent buffer (so a captured graph would read each step's values);
     `active` is False for a step with only base-model tokens, which then skips the LoRA term.
+    With `segmented` (the default on the CPU) the layers use `segments` instead: per active
+    slot, the indices of its tokens, so each token pays for its own adapter only
+    (`ops.lora_delta_segmented`); otherwise the shape-static `ops.lora_delta` (CUDA).
     """
 
-    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        num_slots: int,
+        device: torch.device,
+        *,
+        segmented: bool | None = None,
+    ) -> None:
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.slot_ids = torch.arange(num_slots, dtype=torch.int64, device=device)
         self.active = False
+        self.segmented = device.type == "cpu" if segmented is None else segmented
+        self.segments: list[tuple[int, torch.Tensor]] = []
+        """(slot, token indices) of the step's slots, when `segmented`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +96,8 @@ class LoRALinear(nn.Module):
             ),
             persistent=False,
         )
+        self.slot_has_weights = [False] * num_slots
+        """Whether each slot holds weights for this layer (a segmented step skips the others)."""
         self.register_buffer(
             "lora_b",
             torch.zeros(
@@ -121,16 +136,26 @@ class LoRALinear(nn.Module):
             scaled_b = (pair.lora_b * scaling).t()
             self.lora_b[slot, rows, cols] = scaled_b.to(self.lora_b.dtype)
             applied = True
+        self.slot_has_weights[slot] = applied
         return applied
 
     def reset_lora(self, slot: int) -> None:
         """Zero `slot` (a freed slot, or an adapter without weights for this layer)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_has_weights[slot] = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base(x)
         if not self.state.active:
+            return out
+        if self.state.segmented:
+            segments = [(s, rows) for s, rows in self.state.segments if self.slot_has_weights[s]]
+            if segments:
+                spans = [(p.offset, p.size) for p in self.parts]
+                lora_delta_segmented(
+                    out, x, self.lora_a, self.lora_b, segments, spans, self.max_rank
+                )
             return out
         slots = self.state.token_slots[: x.shape[0]]
         return out + lora_delta(x, self.lora_a, self.lora_b, slots, self.state.slot_ids)

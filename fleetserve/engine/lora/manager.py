@@ -216,7 +216,13 @@ class LoRAModelManager:
         buffer = self.state.token_slots
         if total > buffer.shape[0]:
             raise ValueError(f"a step of {total} tokens exceeds the LoRA map ({buffer.shape[0]})")
-        buffer[:total].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=False)
+        host = torch.tensor(slots, dtype=torch.int64)
+        buffer[:total].copy_(host, non_blocking=False)
         buffer[total:].fill_(-1)
+        if self.state.segmented:
+            self.state.segments = [
+                (slot, torch.nonzero(host == slot).flatten().to(buffer.device))
+                for slot in sorted({s for s in slots if s >= 0})
+            ]
         self._mapping_key = key
         return True

@@ -145,8 +145,12 @@ def test_a_step_needing_more_adapters_than_slots_is_refused(tiny_loras: TinyLoRA
         runner.manager.set_active_adapters([1, 2, 3])
 
 
-def test_the_fused_projection_adds_each_parts_own_low_rank_term(tiny_loras: TinyLoRAs) -> None:
+@pytest.mark.parametrize("segmented", [True, False], ids=["segmented", "masked"])
+def test_the_fused_projection_adds_each_parts_own_low_rank_term(
+    tiny_loras: TinyLoRAs, segmented: bool
+) -> None:
     _, runner = wrapped_model(tiny_loras, max_loras=2, max_cpu_loras=2)
+    runner.state.segmented = segmented
     b = adapters(tiny_loras)[1]
     runner.manager.add_adapter(b)
     runner.manager.set_active_adapters([2])
@@ -168,3 +172,20 @@ def test_lora_config_refuses_what_it_cannot_hold() -> None:
         LoRAConfig(max_loras=3, max_cpu_loras=2)
     with pytest.raises(ValueError, match="max_lora_rank must be one of"):
         LoRAConfig(max_lora_rank=12)
+
+
+def test_the_segmented_and_the_masked_matmul_agree_on_a_mixed_step(tiny_loras: TinyLoRAs) -> None:
+    _, runner = wrapped_model(tiny_loras, max_loras=2, max_cpu_loras=3)
+    for lora in adapters(tiny_loras):
+        runner.manager.add_adapter(lora)
+    runner.manager.set_active_adapters([3, 1])
+    runner.manager.set_adapter_mapping([1, 0, 3, 1], [3, 2, 4, 1])
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    for name, module in runner.manager.modules.items():
+        inputs = x if module.base.input_size == 64 else torch.randn(10, module.base.input_size)
+        with torch.inference_mode():
+            runner.state.segmented = True
+            segmented = module(inputs)
+            runner.state.segmented = False
+            masked = module(inputs)
+        torch.testing.assert_close(segmented, masked, rtol=1e-5, atol=1e-5, msg=name)
