@@ -139,8 +139,11 @@ class LLM:
             ValueError: an invalid prompt or params, or a prompt the KV cache can never hold.
         """
         self._validate(prompt_token_ids, params)
-        if lora_request is not None and self.config.lora is None:
-            raise ValueError("lora_request needs an LLM built with enable_lora=True")
+        if lora_request is not None:
+            if self.config.lora is None:
+                raise ValueError("lora_request needs an LLM built with enable_lora=True")
+            # NOTE: the folder is checked now, so a bad one is this call's error, not a step's.
+            self.config.lora.check_adapter(lora_request.lora_name, lora_request.lora_path)
         request_id = request_id if request_id is not None else str(next(self._counter))
         children = self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         try:
