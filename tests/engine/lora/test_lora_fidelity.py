@@ -114,6 +114,6 @@ def test_max_loras_1_makes_the_second_adapter_wait_not_fail(tiny_loras: TinyLoRA
 
 def test_a_bad_adapter_folder_is_refused_before_anything_runs(llm: LLM, tmp_path: Path) -> None:
     bad = LoRARequest("bad", 9, str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="LoRA adapter 'bad'.*PEFT folder"):
+    with pytest.raises(ValueError, match=r"LoRA adapter 'bad'.*PEFT folder"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, lora_request=bad)
     assert not llm.has_unfinished_requests()
