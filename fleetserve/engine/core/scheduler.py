@@ -322,6 +322,11 @@ class Scheduler:
         """A step that runs only `request` (a suspect, waiting since its step failed), making
         room by preempting running requests from the tail."""
         preempted: list[Request] = []
+        while self.running and not lora_fits(request, self.running, self.max_loras):
+            # NOTE: the running requests must keep within max_loras adapters after it joins.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
         num_new = self._admit(request, self.config.max_num_batched_tokens, threshold=0)
         while num_new is None and self.running:
             victim = self.running[-1]

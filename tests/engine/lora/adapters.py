@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,19 @@ from typing import Any
 import torch
 
 from tests.engine.tiny_models import hf_greedy
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class TinyLoRAs:
+    base: Path
+    a: Path
+    """rank 8, alpha 16, on q/v/down (k, o, gate and up untouched)."""
+    b: Path
+    """rank 4, rsLoRA, on every projection (the fused q/k/v and gate/up in full)."""
+    c: Path
+    """rank 8 on o_proj, gate_proj and up_proj (the third adapter of the eviction tests)."""
 
 
 def make_adapter(

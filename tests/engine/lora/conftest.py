@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 
-from tests.engine.lora.adapters import make_adapter
+from tests.engine.lora.adapters import ALL_PROJECTIONS, TinyLoRAs, make_adapter
 from tests.engine.tiny_models import make_tiny_model
-
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass(frozen=True)
-class TinyLoRAs:
-    base: Path
-    a: Path
-    """rank 8, alpha 16, on q/v/down (k, o, gate and up untouched)."""
-    b: Path
-    """rank 4, rsLoRA, on every projection (the fused q/k/v and gate/up in full)."""
-    c: Path
-    """rank 8 on o_proj and gate/up, as a list with a regex-free config."""
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,7 @@ import pytest
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.lora.runner import LoRARunner
-from tests.engine.lora.adapters import peft_greedy
-from tests.engine.lora.conftest import TinyLoRAs
+from tests.engine.lora.adapters import TinyLoRAs, peft_greedy
 from tests.engine.tiny_models import make_prompts
 
 MAX_TOKENS = 8

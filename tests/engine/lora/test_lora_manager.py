@@ -12,7 +12,7 @@ from fleetserve.engine.lora.layers import LoRALinear, LoRAStepState
 from fleetserve.engine.lora.manager import LoRAModelManager, create_lora_modules
 from fleetserve.engine.lora.runner import LoRARunner
 from fleetserve.engine.lora.weights import LoRAModel
-from tests.engine.lora.conftest import TinyLoRAs
+from tests.engine.lora.adapters import TinyLoRAs
 from tests.engine.tiny_models import load_engine_model
 
 QKV = "model.layers.0.self_attn.qkv_proj"

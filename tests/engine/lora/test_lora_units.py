@@ -17,7 +17,7 @@ from fleetserve.engine.lora.peft_config import PEFTLoRAConfig
 from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
-from tests.engine.lora.conftest import TinyLoRAs
+from tests.engine.lora.adapters import TinyLoRAs
 from tests.factories import make_scheduler, runner_output
 
 PROMPT = list(range(3, 3 + 40))
@@ -163,3 +163,16 @@ def test_a_lora_request_needs_a_name_and_a_positive_id() -> None:
         LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match="lora_name"):
         LoRARequest("", 1, "/x")
+
+
+def test_the_benchs_random_adapters_are_servable_peft_folders(
+    tiny_loras: TinyLoRAs, tmp_path: Path
+) -> None:
+    from fleetserve.bench.lora import PROJECTIONS, write_random_adapters
+    from fleetserve.engine.lora.weights import LoRAModel
+
+    hf_config = json.loads((tiny_loras.base / "config.json").read_text())
+    (folder,) = write_random_adapters(hf_config, tmp_path, count=1, rank=8, seed=0)
+    lora = LoRAModel.from_folder(1, str(folder), max_rank=8)
+    assert len(lora.weights) == hf_config["num_hidden_layers"] * len(PROJECTIONS)
+    assert lora.scaling == 2.0
