@@ -39,6 +39,7 @@ _BENCHES = (
     ("moe", "moe", "one MoE layer's time per forward, EP=1 vs EP=2 (torch or triton experts)"),
     ("eplb", "eplb", "MoE layer time before/after an EPLB rebalance, rearrangement spike sync vs async"),
     ("quant", "quant", "int8/fp8 vs full precision: perplexity, top-1 agreement, weight memory, tok/s"),
+    ("lora", "lora", "throughput of the base model vs a batch mixing several LoRA adapters"),
 )  # fmt: skip
 """`fleetserve bench` subcommands: (name, module under fleetserve.bench, help). Each module has
 `add_arguments(parser)` and `run_from_args(args) -> int`."""

@@ -61,6 +61,9 @@ class Env:
     plugins: str | None = None
     """The plugin allowlist: comma-separated entry-point names (`fleetserve.plugins.loader`).
     Unset: every general plugin, no server plugin; the empty string: none (kept as a value)."""
+    allow_runtime_lora_updating: int | None = None
+    """1: the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); otherwise they answer 400 and only --lora-modules serve."""
 
     @property
     def cache_root(self) -> Path:

@@ -69,6 +69,44 @@ class ModelSource(_Model):
     )
 
 
+class LoRAAdapter(_Model):
+    name: str = Field(
+        description="the model name clients send to use this adapter",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    )
+    uri: str = Field(
+        description="the PEFT adapter folder: pvc://CLAIM/PATH on the model's claim, "
+        "hostpath:///ABS/PATH under the model's hostpath, or /path/inside/the/image",
+        min_length=1,
+    )
+
+
+class LoRASpec(_Model):
+    """LoRA adapters every engine of the deployment serves beside the base model."""
+
+    adapters: list[LoRAAdapter] = Field(default_factory=list, max_length=64)
+    max_loras: int = Field(default=1, ge=1, description="adapters in device slots at once")
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, description="adapters cached in host memory (default: maxLoras)"
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 16
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRASpec:
+        names = [a.name for a in self.adapters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model.lora.adapters: names must be unique, got {duplicates} twice")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"model.lora.maxCpuLoras must be >= maxLoras ({self.max_loras}), "
+                f"got {self.max_cpu_loras}"
+            )
+        return self
+
+
 class ModelSpec(_Model):
     name: str = Field(description="served model name clients use", min_length=1)
     source: ModelSource
@@ -85,6 +123,9 @@ class ModelSpec(_Model):
         default=None,
         description="quantized linear layers (`--quantization`): int8 weight-only or fp8 online, "
         "or compressed-tensors for a quantized checkpoint (unset: as the checkpoint is)",
+    )
+    lora: LoRASpec | None = Field(
+        default=None, description="LoRA adapters served beside the base model (--enable-lora)"
     )
 
 
@@ -473,6 +514,14 @@ class InferenceDeploymentSpec(_Model):
                     f"roles.{name}: eplb.redundantExperts must be a multiple of the EP group"
                     f" (parallelism.tensor × parallelism.data = {p.tensor * p.data}), got"
                     f" {role.eplb.redundant_experts}"
+                )
+            if (
+                self.model.lora is not None
+                and max(role.parallelism.tensor, role.parallelism.pipeline) > 1
+            ):
+                # NOTE: the engine refuses it too (sharded LoRA is not built).
+                raise ValueError(
+                    f"roles.{name}: model.lora needs tensor and pipeline parallel size 1"
                 )
         has_pd = self.roles.prefill is not None and self.roles.decode is not None
         if has_pd == (self.roles.unified is not None) or has_pd != (

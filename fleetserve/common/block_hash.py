@@ -88,12 +88,15 @@ def hash_token_blocks(
     cache_salt: str | None = None,
     parent: BlockHash | None = None,
     first_block: int = 0,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from block `first_block` on, chained on `parent`
     (the hash of block `first_block - 1`, None for the first block).
 
     The cache salt goes into the extra keys of block 0 only: the chain carries it into every later
-    hash, so different salts (tenants) never share a block. A prefix-aware router hashes a prompt
+    hash, so different salts (tenants) never share a block. A LoRA adapter's name goes first
+    into the same extra keys, so the same prompt under two adapters (or an adapter and the base
+    model) never shares a block either. A prefix-aware router hashes a prompt
     with this function and gets exactly the engine's hashes.
 
     Raises:
@@ -105,8 +108,10 @@ def hash_token_blocks(
     start = first_block * block_size
     while start + block_size <= len(token_ids):
         extra: tuple[object, ...] | None = None
-        if start == 0 and cache_salt is not None:
-            extra = ("salt", cache_salt)
+        if start == 0 and (cache_salt is not None or lora_name is not None):
+            lora_key = () if lora_name is None else ("lora", lora_name)
+            salt_key = () if cache_salt is None else ("salt", cache_salt)
+            extra = lora_key + salt_key
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
         start += block_size

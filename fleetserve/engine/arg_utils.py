@@ -37,6 +37,7 @@ from fleetserve.engine.config import (
 from fleetserve.engine.custom_ops import resolve_custom_ops
 from fleetserve.engine.eplb.args import check_eplb_args
 from fleetserve.engine.generation_config import load_generation_defaults
+from fleetserve.engine.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.engine.quantization.resolve import (
     QuantizationConfig,
     resolve_engine_quantization,
@@ -129,6 +130,13 @@ class EngineArgs:
     generation_config: str = _arg("auto", "where sampling defaults come from: auto (the "
                                   "model's generation_config.json), vllm (neutral), or a "
                                   "folder with generation_config.json")  # fmt: skip
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT folders) beside the base model")
+    max_loras: int = _arg(1, "LoRA: adapters in device slots (one step mixes at most these)")
+    max_cpu_loras: int | None = _arg(None, "LoRA: adapters cached in host memory (max_loras)")
+    max_lora_rank: int = _arg(16, "LoRA: largest adapter rank (8, 16, 32, 64, 128 or 256)")
+    lora_modules: list[str] | None = _arg(  # noqa: RUF009 - _arg returns a field()
+        None, "LoRA: adapters served from start-up, as name=path items"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -167,6 +175,9 @@ class EngineArgs:
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                    default=f.default, help=help_text)  # fmt: skip
+                continue
+            if kind is list:
+                group.add_argument(flag, nargs="+", default=f.default, help=help_text)
                 continue
             parse: Any = _json_object(flag) if kind is dict else kind
             default = f.default if f.default is not MISSING else None
@@ -280,6 +291,7 @@ class EngineArgs:
             ),
             quantization=_quantization(self, hf_config),
             generation=load_generation_defaults(self.generation_config, model),
+            lora=_lora_config(self),
         )
 
 
@@ -379,6 +391,41 @@ def _check_expert_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
             f"{arch!r}, which this build does not implement yet (issue 17): it applies to MoE "
             f"architectures only ({', '.join(sorted(MOE_ARCHITECTURES))})"
         )
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    """The LoRA settings (None unless enable_lora); each start-up adapter is checked now, so a
+    bad folder fails the start naming it."""
+    lora_options = ("max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
+    if not args.enable_lora:
+        defaults = EngineArgs()
+        for name in lora_options:
+            if getattr(args, name) != getattr(defaults, name):
+                raise ValueError(f"{name} is a LoRA setting; it needs enable_lora=True")
+        return None
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
+        if value > 1:
+            # NOTE: sharded LoRA (B split with column-parallel layers, A with row-parallel
+            # ones, and the shrink all-gathered) is not built.
+            raise ValueError(
+                f"{name}={value} with enable_lora is not implemented yet; LoRA serving needs "
+                f"{name}=1"
+            )
+    if args.speculative_config is not None:
+        raise ValueError(
+            "speculative_config with enable_lora is not implemented yet (drafts would run "
+            "without the request's adapter); leave speculative_config unset"
+        )
+    config = LoRAConfig(
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=parse_lora_modules(args.lora_modules),
+    )
+    for module in config.lora_modules:
+        config.check_adapter(module.name, module.path)
+    return config
 
 
 def _layer_partition(args: EngineArgs, hf_config: dict[str, Any]) -> tuple[int, ...] | None:

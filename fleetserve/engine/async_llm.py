@@ -68,6 +68,7 @@ from fleetserve.engine.engine_client import (
     SlowReaderError,
     check_waiting_bound,
 )
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.metrics import EngineMetrics, StatsLogger
 from fleetserve.engine.output_processor import OutputKind, OutputProcessor
 from fleetserve.engine.request_output import RequestOutput
@@ -280,6 +281,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the returned iterator yields its DELTA outputs until `finished`.
 
@@ -302,8 +304,17 @@ class AsyncLLM:
         validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         if self.tokenizer is None:
             validate_without_tokenizer(params)
+        if lora_request is not None and self.config.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora")
         state = self._add(
-            request_id, prompt_token_ids, params, prompt, priority, cache_salt, kv_transfer_params
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            priority,
+            cache_salt,
+            kv_transfer_params,
+            lora_request,
         )
         return self._stream(request_id, state)
 
@@ -343,6 +354,7 @@ class AsyncLLM:
         priority: int,
         cache_salt: str | None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> _RequestState:
         arrival_time = time.monotonic()
         children = self._processor.add_request(
@@ -362,6 +374,7 @@ class AsyncLLM:
                     priority=priority,
                     cache_salt=cache_salt,
                     kv_transfer_params=kv_transfer_params,
+                    lora_request=lora_request,
                 )
             )
         return state

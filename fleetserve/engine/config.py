@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from fleetserve.engine.custom_ops import is_resolved_custom_ops
 from fleetserve.engine.generation_config import GenerationDefaults
+from fleetserve.engine.lora.config import LoRAConfig
 from fleetserve.engine.quantization.resolve import QuantizationConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -481,6 +482,8 @@ class EngineConfig:
     """Quantized linear layers (online or a quantized checkpoint's); None = the engine dtype."""
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     """Sampling defaults for what a request leaves unset (`--generation-config`)."""
+    lora: LoRAConfig | None = None
+    """Multi-LoRA serving (`fleetserve.engine.lora`); None = off."""
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -50,6 +50,7 @@ from fleetserve.engine.engine_client import (
     EngineDeadError,
     check_waiting_bound,
 )
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.metrics import EngineMetrics, MetricFamilies, StatsLogger
 from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
@@ -238,6 +239,7 @@ class DPAsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request to the least loaded rank now (see `EngineClient.generate`)."""
         if admit:
@@ -256,6 +258,7 @@ class DPAsyncLLM:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             admit=False,
+            lora_request=lora_request,
         )
         self._cursor = rank + 1
         self._owner[request_id] = rank

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.metrics import StatsLogger
 from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
@@ -144,6 +145,7 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request now; the iterator yields its DELTA outputs until one is `finished`.
 

@@ -13,6 +13,7 @@ from typing import Any, cast
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.chat import apply_chat_template
 from fleetserve.engine.core.engine_core import EngineCore
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.request_output import RequestOutput
 from fleetserve.engine.sampling_params import SamplingParams
@@ -60,8 +61,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        `lora_request` runs every prompt (or, as a list, each prompt) under that adapter
+        (None: the base model); it needs an engine built with enable_lora.
 
         Raises:
             ValueError: an invalid prompt or sampling parameter (nothing is run then).
@@ -72,6 +77,7 @@ class LLM:
         )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")
+        loras = _broadcast_lora(lora_request, len(prompt_list))
         # Validate everything first so an invalid prompt never leaves others half-submitted.
         encoded = [self._encode(p) for p in prompt_list]
         for (ids, _, _), params in zip(encoded, params_list, strict=True):
@@ -86,6 +92,7 @@ class LLM:
                         prompt=text,
                         cache_salt=salt,
                         priority=priority[i] if priority else 0,
+                        lora_request=loras[i],
                     )
                 )
         except BaseException:
@@ -128,6 +135,7 @@ class LLM:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one request without running it (use `step`); returns its id.
 
@@ -138,6 +146,11 @@ class LLM:
             ValueError: an invalid prompt or params, or a prompt the KV cache can never hold.
         """
         self._validate(prompt_token_ids, params)
+        if lora_request is not None:
+            if self.config.lora is None:
+                raise ValueError("lora_request needs an LLM built with enable_lora=True")
+            # NOTE: the folder is checked now, so a bad one is this call's error, not a step's.
+            self.config.lora.check_adapter(lora_request.lora_name, lora_request.lora_path)
         request_id = request_id if request_id is not None else str(next(self._counter))
         children = self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         try:
@@ -149,6 +162,7 @@ class LLM:
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_request=lora_request,
                 )
         except BaseException:
             self.abort_request(request_id)
@@ -243,3 +257,14 @@ def _broadcast_params(
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
     return params
+
+
+def _broadcast_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request must have one entry per prompt ({num_prompts})")
+    return loras

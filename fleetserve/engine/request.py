@@ -25,6 +25,7 @@ from fleetserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from fleetserve.common.block_hash import BlockHash
     from fleetserve.engine.core.outputs import LogprobsLists
+    from fleetserve.engine.lora.request import LoRARequest
     from fleetserve.engine.structured_output.request_grammar import RequestGrammar
 
 
@@ -77,6 +78,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -87,6 +89,8 @@ class Request:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         """The P/D protocol's parameters (`kv_transfer.params`), read by the KV connector."""
+        self.lora_request = lora_request
+        """The adapter it runs under (None: the base model); part of its blocks' hashes."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that ended the request, if any."""

@@ -76,6 +76,8 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "fleetserve"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter: the base model it runs on (None for the base model itself)."""
     max_model_len: int | None = None
 
 
@@ -446,3 +448,17 @@ class ChatCompletionStreamResponse(_Response):
 class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseChoice]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """`POST /v1/load_lora_adapter` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's body; `lora_int_id`, if given, must match)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

@@ -47,6 +47,11 @@ ENGINE_FLAGS = (
     "--eplb-use-async",
     "--kv-transfer-config",
     "--quantization",
+    "--enable-lora",
+    "--max-loras",
+    "--max-cpu-loras",
+    "--max-lora-rank",
+    "--lora-modules",
 )
 """Every `fleetserve serve` flag `engine_args` can render (besides the user's `engine.args`)."""
 
@@ -66,6 +71,51 @@ def model_path(uri: str) -> str:
     raise ValueError(
         f"model.source.uri must be pvc://, hostpath:// or an absolute path, got {uri!r}"
     )
+
+
+def adapter_path(model_uri: str, adapter_uri: str) -> str:
+    """Where an engine pod reads a LoRA adapter: on the model's own volume (the pod mounts
+    only that one), or a path inside the image.
+
+    Raises:
+        ValueError: another scheme, another claim than the model's, or a hostpath outside the
+            model's.
+    """
+    if adapter_uri.startswith("/"):
+        return adapter_uri
+    for scheme in ("pvc://", "hostpath://"):
+        if adapter_uri.startswith(scheme) and model_uri.startswith(scheme):
+            model_rest, rest = model_uri[len(scheme) :], adapter_uri[len(scheme) :]
+            if scheme == "pvc://":
+                claim, model_claim = rest.split("/", 1)[0], model_rest.split("/", 1)[0]
+                if claim == model_claim and "/" in rest:
+                    return f"{MODEL_MOUNT}/{rest.split('/', 1)[1]}".rstrip("/")
+            elif rest.startswith(model_rest.rstrip("/") + "/"):
+                return f"{MODEL_MOUNT}/{rest[len(model_rest.rstrip('/')) + 1 :]}"
+    raise ValueError(
+        f"model.lora.adapters uri {adapter_uri!r} must be on the model's volume ({model_uri}: "
+        "the same pvc claim, or under its hostpath) or an absolute path inside the image"
+    )
+
+
+def lora_args(spec: InferenceDeploymentSpec) -> list[str]:
+    """`--enable-lora` and its settings when the model lists adapters (every role serves them:
+    a prefill leg computes the prompt under the same adapter as its decode leg).
+
+    Raises:
+        ValueError: an adapter the pods cannot reach (`adapter_path`).
+    """
+    lora = spec.model.lora
+    if lora is None:
+        return []
+    args = ["--enable-lora", "--max-loras", str(lora.max_loras)]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    args += ["--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.adapters:
+        args.append("--lora-modules")
+        args += [f"{a.name}={adapter_path(spec.model.source.uri, a.uri)}" for a in lora.adapters]
+    return args
 
 
 def kv_transfer_config(spec: InferenceDeploymentSpec, role_name: str) -> dict[str, Any] | None:
@@ -165,6 +215,7 @@ def engine_args(spec: InferenceDeploymentSpec, role_name: str, role: Role) -> li
     kv = kv_transfer_config(spec, role_name)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))]
+    args += lora_args(spec)
     for flag, value in sorted(spec.engine.args.items()):
         args += [f"--{flag}"] + ([value] if value else [])
     return args

@@ -224,6 +224,7 @@ async def _proxy_inner(request: web.Request, route: str, state: RouterState) -> 
             block_size=state.config.block_size,
             needs_tokens=state.policy.needs_tokens,
             timeout_s=state.config.connect_timeout_s,
+            adapter=state.fleet.adapter_of(body.get("model")),
         )
         outcome = await forwarder.forward(body, route, base, state.policy, authorization, raw)
         if isinstance(outcome, Answer):

@@ -55,6 +55,9 @@ class EngineState:
     scraped: bool = False
     model: str | None = None
     """The first model id its /v1/models lists (what the readiness generation asks for)."""
+    adapters: frozenset[str] = frozenset()
+    """The LoRA adapters its /v1/models lists (ids with a `parent`), refreshed every scrape:
+    adapters are loaded and unloaded at run time."""
     problem: str | None = None
     """The last scrape failure, logged once as a warning until it changes or clears."""
 
@@ -139,6 +142,7 @@ class Fleet:
                 load=e.load,
                 available=self.usable(e),
                 in_flight=e.in_flight,
+                adapters=e.adapters,
             )
             for e in self.engines.values()
         ]
@@ -233,8 +237,9 @@ class Fleet:
                 load = parse_engine_load(await response.text())
             if engine.learn_identity and engine.compatibility_hash is None:
                 await self._learn_identity(session, engine, timeout)
-            if engine.model is None:
-                engine.model = await self._first_model(session, engine, timeout)
+            listed = await self._list_models(session, engine, timeout)
+            if listed is not None:
+                engine.model, engine.adapters = listed
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self.engines.get(engine.url) is engine:
                 # NOTE: a misconfigured engine (no connector, the wrong KV role) never becomes
@@ -269,16 +274,26 @@ class Fleet:
             raise ValueError(f"{engine.url}'s /kv_transfer names no compatibility_hash")
         engine.compatibility_hash = compat
 
-    async def _first_model(
+    def adapter_of(self, model: object) -> str | None:
+        """`model` if some engine lists it as a LoRA adapter, else None (the base model)."""
+        if not isinstance(model, str):
+            return None
+        return model if any(model in e.adapters for e in self.engines.values()) else None
+
+    async def _list_models(
         self, session: aiohttp.ClientSession, engine: EngineState, timeout: aiohttp.ClientTimeout
-    ) -> str | None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+    ) -> tuple[str, frozenset[str]] | None:
+        """Its first model id and its adapters, or None when /v1/models did not answer."""
+        with contextlib.suppress(
+            aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError
+        ):
             async with session.get(
                 f"{engine.url}/v1/models", timeout=timeout, headers=self.engine_headers(None)
             ) as response:
                 if response.status == 200:
-                    data = await response.json()
-                    return str(data["data"][0]["id"])
+                    cards = (await response.json())["data"]
+                    adapters = frozenset(str(c["id"]) for c in cards if c.get("parent"))
+                    return str(cards[0]["id"]), adapters
         return None
 
     def engine_headers(self, client_authorization: str | None) -> dict[str, str]:

@@ -89,6 +89,8 @@ class EngineSnapshot:
     """Discovered ready and its breaker allows a request."""
     in_flight: int = 0
     """Requests the router has on it now (fresher than the scraped load)."""
+    adapters: frozenset[str] = frozenset()
+    """The LoRA adapters its /v1/models lists (the models with a `parent`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,8 @@ class RoutingRequest:
     exclude_prefill: Collection[str] = ()
     exclude_pairs: Collection[tuple[str, str]] = ()
     """(prefill, decode) pairs that failed for this request already."""
+    adapter: str | None = None
+    """The LoRA adapter the request's `model` names (None: the base model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,22 @@ class NoEngineAvailable(Exception):
     def __init__(self, message: str, *, saturated: bool) -> None:
         super().__init__(message)
         self.saturated = saturated
+
+
+def with_adapter(engines: list[EngineSnapshot], adapter: str | None) -> list[EngineSnapshot]:
+    """The engines that serve `adapter` (all of them for the base model, or when none lists it).
+
+    Adapter affinity is a filter, not a preference: an engine that does not list the adapter
+    answers its requests with a 400 (it does not load adapters on its own). Among those that
+    do, the usual prefix-and-load score applies, and since an adapter's block hashes carry its
+    name, its repeated prompts gather where its KV blocks (and its device slot) already are.
+    When no engine lists it, every engine stays a candidate, so the client gets the engine's
+    own 400 naming what it serves.
+    """
+    if adapter is None:
+        return engines
+    serving = [e for e in engines if adapter in e.adapters]
+    return serving or engines
 
 
 class RoutingPolicy:
@@ -189,7 +209,7 @@ class RoutingPolicy:
             for e in engines
             if e.role in ("decode", "unified") and e.url not in request.exclude_decode
         ]
-        usable = [e for e in candidates if e.available]
+        usable = with_adapter([e for e in candidates if e.available], request.adapter)
         if not usable:
             raise NoEngineAvailable(
                 "no decode engine is available"
@@ -225,6 +245,10 @@ class RoutingPolicy:
         ]
         if not prefills:
             return Decision(decode.url, None, "decode_only", "no_compatible_prefill", cached)
+        if request.adapter is not None:
+            prefills = [e for e in prefills if request.adapter in e.adapters]
+            if not prefills:
+                return Decision(decode.url, None, "decode_only", "no_prefill_with_adapter", cached)
         prefills = [
             e
             for e in prefills

@@ -60,12 +60,14 @@ async def prompt_request(
     block_size: int,
     needs_tokens: bool,
     timeout_s: float,
+    adapter: str | None = None,
 ) -> RoutingRequest:
     """The `RoutingRequest` for `body` (a completions or chat body), tokenizing on the engine at
-    `tokenize_url` when needed and possible."""
+    `tokenize_url` when needed and possible; `adapter` is the LoRA adapter its `model` names
+    (its block hashes then carry the name, as the engine's do)."""
     disaggregable, tokenize_body, ids = single_prompt(body, route)
     if not needs_tokens or not disaggregable:
-        return RoutingRequest(disaggregable=disaggregable)
+        return RoutingRequest(disaggregable=disaggregable, adapter=adapter)
     if ids is None and tokenize_body is not None and tokenize_url is not None:
         if isinstance(body.get("model"), str):
             tokenize_body["model"] = body["model"]
@@ -85,9 +87,14 @@ async def prompt_request(
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             logger.debug("tokenize on %s failed: %s", tokenize_url, exc)
     if ids is None:
-        return RoutingRequest(disaggregable=disaggregable)
+        return RoutingRequest(disaggregable=disaggregable, adapter=adapter)
     salt = body.get("cache_salt")
-    hashes = hash_token_blocks(ids, block_size, cache_salt=salt if isinstance(salt, str) else None)
+    hashes = hash_token_blocks(
+        ids, block_size, cache_salt=salt if isinstance(salt, str) else None, lora_name=adapter
+    )
     return RoutingRequest(
-        block_hashes=hashes, num_prompt_tokens=len(ids), disaggregable=disaggregable
+        block_hashes=hashes,
+        num_prompt_tokens=len(ids),
+        disaggregable=disaggregable,
+        adapter=adapter,
     )

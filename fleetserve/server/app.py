@@ -5,7 +5,9 @@ spawns the EngineCore process where the model loads; tests pass their own `Engin
 starts the periodic stats log, and on shutdown stops both. State lives in typed `web.AppKey`s
 on the app (no module globals), so tests can run several apps in one process.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+/v1/load_lora_adapter, /v1/unload_lora_adapter (`serving_lora`); GET /v1/models (the base
+model and its LoRA adapters),
 /health (200 only while the engine can serve: its core process and its output task live),
 /metrics (Prometheus text), /openapi.json (the schema of every route, generated from the
 pydantic protocol models: `fleetserve.openai.openapi`).
@@ -43,7 +45,6 @@ from fleetserve.openai.protocol import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -53,6 +54,7 @@ from fleetserve.plugins.loader import process_plugins
 from fleetserve.server.serving import OpenAIServing
 from fleetserve.server.serving_chat import create_chat_completion
 from fleetserve.server.serving_completion import create_completion
+from fleetserve.server.serving_lora import LORA_MODELS_KEY, LoRAModels, add_lora_routes
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class ServerConfig:
     """Period of the one-line stats log (0 disables it)."""
     startup_timeout_s: float = 600.0
     """How long the engine core may take to load the model."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`serving_lora`)."""
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -125,6 +129,14 @@ def create_app(config: ServerConfig, engine_client: EngineClient | None = None) 
     plugins = process_plugins()
     plugins.run_general()
     plugins.apply_server(app)
+    app[LORA_MODELS_KEY] = LoRAModels(
+        config.served_model_name,
+        config.engine.model.model,
+        config.engine.model.max_model_len,
+        config.engine.lora,
+        allow_runtime_updates=config.allow_runtime_lora_updating,
+    )
+    add_lora_routes(app)
     return app
 
 
@@ -165,7 +177,10 @@ async def _engine_ctx(
         raise
     app[ENGINE_KEY] = engine
     app[SERVING_KEY] = OpenAIServing(
-        engine, config.served_model_name, config.max_prompts_per_request
+        engine,
+        config.served_model_name,
+        config.max_prompts_per_request,
+        models=app[LORA_MODELS_KEY],
     )
     yield
     await engine.shutdown()
@@ -203,13 +218,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    config = request.app[CONFIG_KEY]
-    card = ModelCard(
-        id=config.served_model_name,
-        root=config.engine.model.model,
-        max_model_len=config.engine.model.max_model_len,
-    )
-    return _json(ModelList(data=[card]).model_dump_json())
+    return _json(ModelList(data=request.app[LORA_MODELS_KEY].cards()).model_dump_json())
 
 
 async def _plugins(request: web.Request) -> web.Response:

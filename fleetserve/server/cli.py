@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.engine_client import DEFAULT_MAX_PENDING_OUTPUTS
+from fleetserve.envs import read_env
 from fleetserve.openai.protocol import DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         max_pending_outputs=args.max_pending_outputs,
         skip_tokenizer_init=engine_args.skip_tokenizer_init,
         stats_log_interval_s=args.stats_log_interval,
+        allow_runtime_lora_updating=read_env().allow_runtime_lora_updating == 1,
     )
 
 

@@ -43,6 +43,7 @@ from fleetserve.openai.protocol import (
     SamplingRequest,
     random_id,
 )
+from fleetserve.server.serving_lora import LoRAModels
 from fleetserve.server.serving_responses import (
     aggregate_response,
     merge_prompt_streams,
@@ -81,9 +82,15 @@ class OpenAIServing:
         engine: EngineClient,
         model_name: str,
         max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        *,
+        models: LoRAModels | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.models = models or LoRAModels(
+            model_name, engine.config.model.model, engine.config.model.max_model_len, None
+        )
+        """The names `model` may take (the base model and its LoRA adapters)."""
         self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer: PreTrainedTokenizerBase | None = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
@@ -121,15 +128,12 @@ class OpenAIServing:
         return self.tokenizer
 
     def check_model(self, model: str | None) -> None:
-        # NOTE: vLLM answers 404 here; our contract (issue 3) treats an unknown model as bad
-        # input like any other field, so 400, with OpenAI's code so clients can tell it apart.
-        if model is not None and model != self.model_name:
-            raise RequestError(
-                400,
-                f"model must be one of ['{self.model_name}'], got `{model}`",
-                param="model",
-                code="model_not_found",
-            )
+        """Raises a 400 `model_not_found` unless `model` is served (see `LoRAModels.resolve`)."""
+        self.models.resolve(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base model."""
+        return self.model_name if model is None else model
 
     def prepare(
         self,
@@ -249,6 +253,7 @@ class OpenAIServing:
                     cache_salt=prepared.body.cache_salt,
                     kv_transfer_params=prepared.body.kv_transfer_params,
                     admit=False,
+                    lora_request=self.models.resolve(prepared.body.model),
                 )
             except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
                 raise request_error(exc, default_param="prompt") from exc

@@ -68,7 +68,7 @@ async def create_chat_completion(
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, [(prompt_ids, None)], params, "chatcmpl")
-    response_format = ChatFormat(tokenizer, serving.model_name, body)
+    response_format = ChatFormat(tokenizer, serving.response_model(body.model), body)
     return await serving.respond(request, prepared, response_format)
 
 

@@ -69,7 +69,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     except ValueError as exc:
         raise value_error(exc) from exc
     prepared = serving.prepare(request, body, encoded, params, "cmpl")
-    response_format = CompletionFormat(serving.tokenizer, serving.model_name)
+    response_format = CompletionFormat(serving.tokenizer, serving.response_model(body.model))
     return await serving.respond(request, prepared, response_format)
 
 

@@ -33,6 +33,8 @@ class FakeEngine:
     running: float = 0.0
     kv_usage: float = 0.0
     metrics_ok: bool = True
+    adapters: list[str] = field(default_factory=list)
+    """LoRA adapters /v1/models lists (with `parent` "m"); tests may change it while serving."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     aborted: int = 0
@@ -90,7 +92,9 @@ class FakeEngine:
         return web.json_response({"role": role, "compatibility_hash": self.compat})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        cards = [{"id": "m", "object": "model"}]
+        cards += [{"id": a, "object": "model", "parent": "m"} for a in self.adapters]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

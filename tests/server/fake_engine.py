@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.engine_client import EngineDeadError, check_waiting_bound
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.metrics import StatsLogger
 from fleetserve.engine.request_output import (
     CompletionOutput,
@@ -51,6 +52,7 @@ class GenerateCall:
     cache_salt: str | None
     admit: bool
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
 
 Script = Callable[[GenerateCall], Sequence[RequestOutput | BaseException]]
@@ -167,6 +169,7 @@ class FakeEngineClient:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         admit: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if admit:
             self.check_admission(params.n)
@@ -175,7 +178,7 @@ class FakeEngineClient:
         validate_prompt(prompt_token_ids, params, self.config, self.kv_capacity)
         call = GenerateCall(
             request_id, prompt_token_ids, params, prompt, priority, cache_salt, admit,
-            kv_transfer_params,
+            kv_transfer_params, lora_request,
         )  # fmt: skip
         self.calls.append(call)
         self.live.add(request_id)

@@ -257,7 +257,9 @@ def _maximal_specs() -> list[InferenceDeploymentSpec]:
 def test_engine_flags_lists_every_rendered_flag() -> None:
     """ENGINE_FLAGS is the renderer's whole flag surface (the engine's parser must accept it)."""
     maximal = set()
-    for sts in (s for spec in _maximal_specs() for s in _engines(spec)):
+    lora = {"adapters": [{"name": "a", "uri": "/m/a"}], "maxCpuLoras": 2}
+    with_lora = _spec(model={"name": "m", "source": {"uri": "/m"}, "lora": lora})
+    for sts in (s for spec in [*_maximal_specs(), with_lora] for s in _engines(spec)):
         maximal |= {a for a in _container(sts)["args"] if a.startswith("--")}
     assert maximal == set(ENGINE_FLAGS)
     for sample in SAMPLES:

@@ -37,6 +37,7 @@ from fleetserve.engine.core.outputs import (
 )
 from fleetserve.engine.core.scheduler import Scheduler
 from fleetserve.engine.core.step_isolation import is_unrecoverable
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.structured_output.factory import create_manager
@@ -114,6 +115,7 @@ class EngineCore:
             structured_output=create_manager(config),
             speculative_config=config.speculative,
             max_concurrent_batches=num_batches,
+            max_loras=None if config.lora is None else config.lora.max_loras,
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)
@@ -138,6 +140,7 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a validated request (see `fleetserve.engine.validation.validate_prompt`).
 
@@ -165,6 +168,7 @@ class EngineCore:
                 arrival_time=arrival_time,
                 block_hasher=self._block_hasher,
                 kv_transfer_params=kv_transfer_params,
+                lora_request=lora_request,
             )
         )
 

@@ -53,6 +53,7 @@ from fleetserve.engine.core.messages import (
 )
 from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
 from fleetserve.engine.distributed.data_parallel import DPCoreSpec
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class LoopCore(Protocol):
         cache_salt: str | None,
         arrival_time: float | None,
         kv_transfer_params: dict[str, Any] | None,
+        lora_request: LoRARequest | None,
     ) -> None:
         """Queue one request; it runs in later `step()` calls.
 
@@ -340,6 +342,7 @@ class _EngineLoop:
                     cache_salt=message.cache_salt,
                     arrival_time=message.arrival_time,
                     kv_transfer_params=message.kv_transfer_params,
+                    lora_request=message.lora_request,
                 )
             except ValueError as exc:
                 self.rejected[message.request_id] = str(exc)

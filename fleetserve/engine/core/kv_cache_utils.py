@@ -37,6 +37,7 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
             cache_salt=request.cache_salt,
             parent=request.block_hashes[-1] if request.block_hashes else None,
             first_block=len(request.block_hashes),
+            lora_name=None if request.lora_request is None else request.lora_request.lora_name,
         )
 
     return hasher

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from fleetserve.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from fleetserve.engine.lora.request import LoRARequest
 
 __all__ = [
     "AbortMessage",
@@ -44,6 +45,7 @@ class AddRequestMessage(msgspec.Struct, tag="add"):
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AbortMessage(msgspec.Struct, tag="abort"):

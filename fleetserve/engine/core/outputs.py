@@ -16,6 +16,7 @@ from fleetserve.engine.eplb.stats import EplbStats
 from fleetserve.engine.kv_transfer.base import KVConnectorMetadata
 from fleetserve.engine.kv_transfer.connector_meta import KVConnectorOutput
 from fleetserve.engine.kv_transfer.stats import KVTransferStats
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.spec_decode.stats import SpecDecodingStats
 from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
@@ -36,6 +37,8 @@ class NewRequestData:
     """Tokens already in the KV cache (prefix hit or external load) before this step."""
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end the request (min_tokens blocks them until it is reached)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs under (None: the base model)."""
 
 
 @dataclass

@@ -48,6 +48,7 @@ from fleetserve.engine.core.step_isolation import StepIsolation
 from fleetserve.engine.core.stop_conditions import check_stop
 from fleetserve.engine.eplb.stats import EplbStats
 from fleetserve.engine.kv_transfer.base import KVConnectorScheduler, NoKVConnector
+from fleetserve.engine.lora.scheduling import lora_fits
 from fleetserve.engine.request import Request, RequestStatus
 from fleetserve.engine.spec_decode.scheduling import SpecScheduling
 from fleetserve.engine.structured_output.manager import StructuredOutputManager
@@ -73,6 +74,8 @@ class Scheduler:
             see `spec_decode.scheduling`); None = off.
         max_concurrent_batches: batches the engine keeps in flight at once (its executor's);
             above 1, requests in flight are tracked and skipped (see module doc).
+        max_loras: LoRA adapters the running requests may use at once (None: LoRA off); a
+            waiting request whose adapter would be one more waits (`lora.scheduling`).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         max_concurrent_batches: int = 1,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.connector = connector if connector is not None else NoKVConnector()
         self.block_size = cache_config.block_size
         self.policy = SchedulingPolicy(scheduler_config.policy)
@@ -320,6 +325,11 @@ class Scheduler:
         """A step that runs only `request` (a suspect, waiting since its step failed), making
         room by preempting running requests from the tail."""
         preempted: list[Request] = []
+        while self.running and not lora_fits(request, self.running, self.max_loras):
+            # NOTE: the running requests must keep within max_loras adapters after it joins.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
         num_new = self._admit(request, self.config.max_num_batched_tokens, threshold=0)
         while num_new is None and self.running:
             victim = self.running[-1]
@@ -411,6 +421,8 @@ class Scheduler:
             request = self.waiting.peek()
             if self._is_in_flight(request):
                 break  # NOTE: preempted while in flight: re-admitted once its batch is back
+            if not lora_fits(request, self.running, self.max_loras):
+                break  # NOTE: FCFS: it waits at the head until a running adapter is done
             num_new = self._admit(request, budget, threshold)
             if num_new is None:
                 break

@@ -45,6 +45,7 @@ class StepDeltas:
                     block_ids=block_ids_of(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     eos_token_ids=request.eos_token_ids,
+                    lora_request=request.lora_request,
                 )
             )
             self._num_tokens_sent[request.request_id] = request.num_tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fleetserve.engine.lora.request import LoRARequest
 from fleetserve.engine.sampling_params import SamplingParams
 
 
@@ -35,6 +36,8 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0
     """Prompt positions whose next-token logprobs were reported (kept across preemption, so a
     recomputed prompt reports none twice)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs under (None: the base model)."""
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,7 @@ from fleetserve.engine.worker.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from fleetserve.engine.kv_transfer.worker_role import P2PConnectorWorker
+    from fleetserve.engine.lora.runner import LoRARunner
 
 
 class ModelRunner:
@@ -113,12 +114,20 @@ class ModelRunner:
         )
         self.eplb: EplbState | None = None
         """This rank's EPLB (engines with `enable_eplb`; built with the model)."""
+        self.lora: LoRARunner | None = None
+        """The adapters' wrapped layers and caches (set by `load_model` with LoRA on)."""
 
     # -- setup (called by the Worker) ----------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = load_model(self.config, self.arch, self.layer_context)
         self.eplb = create_eplb_state(self.config, self.model, self.layer_context)
+        if self.config.lora is not None:
+            from fleetserve.engine.lora.runner import LoRARunner
+
+            self.lora = LoRARunner(
+                self.config.lora, self.model, self.buffers.input_ids.np.shape[0], self.device
+            )
         if self.spec is not None:
             self.spec.load_model()
 
@@ -228,12 +237,20 @@ class ModelRunner:
         if connector is not None and connector.saves_this_step:
             hooks = connector
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        loras = {r: self.requests[r].lora_request for r in scheduler_output.num_scheduled_tokens}
+        # NOTE: a step with adapters runs eagerly (graphs are captured without the LoRA term).
+        uses_lora = self.lora is not None and self.lora.step_uses_lora(list(loras.values()))
         inputs = self.input_preparer.prepare(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
-            self.decode_graphs if hooks is None else None,
+            self.decode_graphs if hooks is None and not uses_lora else None,
             {req_id: len(tokens) for req_id, tokens in drafts.items()},
         )
+        if self.lora is not None:
+            self.lora.prepare_step(
+                [loras[r] for r in inputs.req_ids],
+                [scheduler_output.num_scheduled_tokens[r] for r in inputs.req_ids],
+            )
         model = self.model
         context = ForwardContext(inputs.metadata, self._kv_caches_by_layer, kv_hooks=hooks)
         with torch.inference_mode():
@@ -395,6 +412,7 @@ class ModelRunner:
             num_synced_tokens=num_tokens,
             eos_token_ids=new.eos_token_ids,
             num_prompt_logprobs=num_prompt_logprobs,
+            lora_request=new.lora_request,
         )
 
     def _sync_tokens(self, state: CachedRequestState, new_token_ids: list[int]) -> None:
