@@ -69,7 +69,7 @@ class EngineArgs:
                                   choices=("fcfs", "priority"))  # fmt: skip
     full_sequence_must_fit: bool = _arg(False, "admit only when prompt + max_tokens fit")
     attention_backend: str = _arg("auto", "attention implementation",
-                                  choices=("auto", "torch", "triton", "flash_attn"))  # fmt: skip
+                                  choices=("auto", "torch", "triton", "flash_attn", "cpu_paged"))  # fmt: skip
     custom_ops: str = _arg("auto", "RMSNorm, rotary and SiLU kernels (auto: triton on CUDA)",
                            choices=("auto", "torch", "triton"))  # fmt: skip
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
+_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn", "cpu_paged")
 _POLICIES: tuple[str, ...] = ("fcfs", "priority")
 _CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
 _LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")
