@@ -19,6 +19,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from fleetserve.engine.compilation.levels import DEFAULT_LEVEL, resolve_knobs
 from fleetserve.engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -72,7 +73,9 @@ class EngineArgs:
                                   choices=("auto", "torch", "triton", "flash_attn", "cpu_paged"))  # fmt: skip
     custom_ops: str = _arg("auto", "RMSNorm, rotary and SiLU kernels (auto: triton on CUDA)",
                            choices=("auto", "torch", "triton"))  # fmt: skip
-    enforce_eager: bool = _arg(False, "never capture CUDA graphs")
+    enforce_eager: bool | None = _arg(
+        None, "never capture CUDA graphs (unset: from the optimization level; -O0 sets it)"
+    )
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
     pipeline_layer_partition: str | None = _arg(
@@ -101,6 +104,12 @@ class EngineArgs:
         'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 3}',
+    )
+    optimization_level: int = _arg(
+        DEFAULT_LEVEL,
+        "-O0..-O3: defaults for the speed knobs left unset (explicit flags win); 0 compiles and "
+        "captures nothing (torch attention, no CUDA graphs), 1-3 fused CPU attention and CUDA "
+        "graphs (fleetserve/engine/compilation/levels.py)",
     )
 
     @classmethod
@@ -143,7 +152,10 @@ class EngineArgs:
                 continue
             parse: Any = _json_object(flag) if kind is dict else kind
             default = f.default if f.default is not MISSING else None
-            group.add_argument(flag, type=parse, default=default, choices=choices, help=help_text)
+            # NOTE: vLLM's short form, -O2 (or -O 2), for the optimization level.
+            short = ("-O",) if f.name == "optimization_level" else ()
+            group.add_argument(*short, flag, type=parse, default=default, choices=choices,
+                               help=help_text)  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
@@ -172,6 +184,9 @@ class EngineArgs:
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         device = resolve_device(self.device)
+        knobs = resolve_knobs(
+            self.optimization_level, device, self.enforce_eager, self.attention_backend
+        )
         custom_ops = self.custom_ops
         if custom_ops == "auto":
             custom_ops = "triton" if device == "cuda" else "torch"
@@ -220,9 +235,10 @@ class EngineArgs:
             ),
             device=DeviceConfig(
                 device=device,
-                attention_backend=self.attention_backend,
+                attention_backend=knobs.attention_backend,
                 custom_ops=custom_ops,
-                enforce_eager=self.enforce_eager,
+                enforce_eager=knobs.enforce_eager,
+                optimization_level=self.optimization_level,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,

@@ -408,6 +408,8 @@ class DeviceConfig:
     CUDA and torch on the CPU."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (every step runs eagerly); only meaningful on CUDA."""
+    optimization_level: int = 2
+    """The `-O` level the knobs above were defaulted from (named in optimisation failures)."""
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)
