@@ -185,6 +185,7 @@ def test_select_explicit_backend_that_cannot_serve_gives_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(TorchAttentionBackend, "supported_block_sizes", (16,))
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_block_sizes", (16,))
     with pytest.raises(ValueError, match="block_size 4 is not one of"):
         select_attention_backend("torch", HEAD_SIZE, torch.float32, BLOCK_SIZE, CPU)
     with pytest.raises(ValueError, match="no attention backend"):
