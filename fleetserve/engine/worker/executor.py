@@ -18,6 +18,7 @@ from typing import Any
 
 from fleetserve.engine.config import EngineConfig, ParallelConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.worker.cpu_threads import configure_cpu_threads
 from fleetserve.engine.worker.worker import Worker
 
 
@@ -176,6 +177,8 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        if config.device.device == "cpu":
+            configure_cpu_threads(1)
         self.worker = Worker(config, rank=0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
