@@ -40,7 +40,7 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
                  const int32_t* block_table, int64_t block_table_stride, T* out,
                  int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
                  int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                 int64_t block_size, float scale) {
+                 int64_t block_size, float scale, int64_t max_query_len) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -56,6 +56,7 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
               query_start_loc - 1;
       }
       const int64_t query_len = query_start_loc[req + 1] - query_start_loc[req];
+      if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
       const int64_t row = tok - query_start_loc[req];
       // Causal: this row sees every cached position up to and including its own.
       const int64_t kv_len = seq_lens[req] - query_len + row + 1;
@@ -117,11 +118,13 @@ void check_common(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
 }
 
-// out[T, H, D] = causal attention of query[T, H, D] over the paged cache (rows past
-// query_start_loc[num_reqs] are left untouched).
+// out[T, H, D] = causal attention of query[T, H, D] over the paged cache, for the rows of
+// requests whose query is at most max_query_len long; other rows, and rows past
+// query_start_loc[num_reqs], are left untouched.
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_table, double scale, at::Tensor& out) {
+                     const at::Tensor& block_table, double scale, int64_t max_query_len,
+                     at::Tensor& out) {
   check_common(kv_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, "out must be like query");
@@ -159,7 +162,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
             block_table.const_data_ptr<int32_t>(), block_table.stride(0),
             out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
             num_tokens, num_heads, num_kv_heads, head_size, block_size,
-            static_cast<float>(scale));
+            static_cast<float>(scale), max_query_len);
       });
 }
 
@@ -201,7 +204,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 TORCH_LIBRARY(fleetserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_table, float scale, Tensor(a!) out) -> ()");
+      "Tensor block_table, float scale, int max_query_len, Tensor(a!) out) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 

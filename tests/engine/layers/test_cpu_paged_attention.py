@@ -97,6 +97,12 @@ def test_fused_equals_torch_reference_and_oracle(case: int, dtype: torch.dtype) 
         q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale
     )
     torch.testing.assert_close(outs[1], oracle, atol=tol, rtol=tol)
+    # The kernel alone on every row (prefill chunks included, which the backend gives to SDPA).
+    whole = torch.empty_like(q)
+    torch.ops.fleetserve_cpu.paged_attention(
+        q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale, 1 << 30, whole
+    )
+    torch.testing.assert_close(whole, oracle, atol=tol, rtol=tol)
 
 
 def test_padding_rows_write_nothing_and_read_as_zero() -> None:
@@ -123,7 +129,7 @@ def test_bad_block_table_is_refused_not_read_past() -> None:
     metadata = build_attention_metadata([1], [41], table, slots, 16, CPU)
     with pytest.raises(RuntimeError, match="block_table is too narrow"):
         torch.ops.fleetserve_cpu.paged_attention(
-            q, cache, metadata.query_start_loc, metadata.seq_lens, table[:, :1], 1.0, q.clone()
+            q, cache, metadata.query_start_loc, metadata.seq_lens, table[:, :1], 1.0, 8, q.clone()
         )
 
 

@@ -2,21 +2,28 @@
 
 The kernels (`fleetserve/kernels/cpu/paged_attention.cpp`) are built with the machine's compiler
 at first use and cached; when they cannot be built, `is_available` says why and the selector
-falls back to the torch reference (which stays the oracle in tests). Decode rows and prefill
-chunks of one step go through one call: each (query row, kv head) pair walks its request's
-blocks with an online softmax, so nothing is gathered, padded or masked.
+falls back to the torch reference (which stays the oracle in tests).
+
+Rows of requests with short queries (decodes, speculative drafts: at most
+`FUSED_MAX_QUERY_LEN` tokens) go through the kernel: each (query row, kv head) pair walks its
+request's blocks with an online softmax, so nothing is gathered, padded or masked. Longer prefill
+chunks are compute-bound, where SDPA's blocked matmuls beat a per-row walk, so they keep the torch
+backend's path (gather the request's blocks once, one SDPA call); both run in the same step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fleetserve.engine.layers.attention.base import AttentionBackend
 from fleetserve.engine.layers.attention.metadata import AttentionMetadata
+from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend, _gather_blocks
 from fleetserve.kernels.cpu.build import load_cpu_kernels
 
+FUSED_MAX_QUERY_LEN = 8
+"""Requests computing at most this many tokens in a step use the fused kernel."""
 
-class CpuPagedAttentionBackend(AttentionBackend):
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
     """Fused paged attention for the CPU (fp32, bf16, fp16; any head and block size)."""
 
     name = "cpu_paged"
@@ -56,8 +63,9 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if query.stride(2) != 1:
             query = query.contiguous()
         # NOTE: zeros, not empty: rows past num_actual_tokens (graph padding) are not written.
-        output = torch.zeros_like(query) if len(query) > metadata.num_actual_tokens else None
-        if output is None:
+        if len(query) > metadata.num_actual_tokens:
+            output = torch.zeros_like(query)
+        else:
             output = torch.empty_like(query)
         num_reqs = metadata.num_reqs
         torch.ops.fleetserve_cpu.paged_attention(
@@ -67,6 +75,34 @@ class CpuPagedAttentionBackend(AttentionBackend):
             metadata.seq_lens[:num_reqs],
             metadata.block_table[:num_reqs],
             scale,
+            FUSED_MAX_QUERY_LEN,
             output,
         )
+        if metadata.max_query_len > FUSED_MAX_QUERY_LEN:
+            self._long_prefills(query, kv_cache, metadata, scale, output)
         return output
+
+    def _long_prefills(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """The rows the kernel left: requests computing more than FUSED_MAX_QUERY_LEN tokens."""
+        start = 0
+        for i, (query_len, seq_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+        ):
+            end = start + query_len
+            if query_len > FUSED_MAX_QUERY_LEN:
+                blocks = metadata.block_table[i, : -(-seq_len // metadata.block_size)]
+                output[start:end] = self._prefill(
+                    query[start:end],
+                    _gather_blocks(kv_cache[0], blocks)[:seq_len],
+                    _gather_blocks(kv_cache[1], blocks)[:seq_len],
+                    seq_len - query_len,
+                    scale,
+                )
+            start = end
