@@ -97,8 +97,18 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
     from fleetserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    requests = make_requests(args, len(tokenizer), lambda ids: tokenizer.decode(ids))
     concurrencies = [int(c) for c in str(args.launch_concurrency).split(",") if c.strip()]
+    # NOTE: every round (a warm-up, then the measured requests, per concurrency) has prompts of
+    # its own seed, so that no measured prompt is a prefix-cache hit left by an earlier round
+    # (both engines cache prefixes by default); every engine gets the same rounds.
+    rounds = [
+        make_requests(
+            argparse.Namespace(**{**vars(args), "seed": args.seed + i}),
+            len(tokenizer),
+            lambda ids: tokenizer.decode(ids),
+        )
+        for i in range(2 * len(concurrencies))
+    ]
     rows: list[Row] = []
     for engine in args.launch.split(","):
         port = _free_port()
@@ -113,12 +123,13 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
         base_url = f"http://127.0.0.1:{port}"
         try:
             _wait_ready(base_url, proc, log)
-            for concurrency in concurrencies:
+            for k, concurrency in enumerate(concurrencies):
+                warmup, requests = rounds[2 * k], rounds[2 * k + 1]
                 run_args = argparse.Namespace(**{**vars(args), "base_url": base_url,
                                                  "max_concurrency": concurrency, "model": None})  # fmt: skip
                 served = asyncio.run(resolve_model(run_args))
                 # A short warm-up round (first-request costs are not what is compared).
-                asyncio.run(run_benchmark(run_args, requests[: max(2, concurrency)], served))
+                asyncio.run(run_benchmark(run_args, warmup[: max(2, concurrency)], served))
                 results, duration_s = asyncio.run(run_benchmark(run_args, requests, served))
                 summary = summarize(results, duration_s, [50.0], {})
                 if summary.failed:
