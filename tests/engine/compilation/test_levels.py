@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,12 +20,12 @@ from fleetserve.engine.layers.attention.cpu_backend import CpuPagedAttentionBack
 from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
 from fleetserve.engine.worker.executor import UniProcExecutor
 from fleetserve.kernels.cpu.build import load_cpu_kernels
-from tests.engine.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("levels"), "llama"))
+def tiny(tiny_llama_dir: Path) -> str:
+    """The session's tiny llama (tests/engine/conftest.py), shared with the other engine tests."""
+    return str(tiny_llama_dir)
 
 
 def _device(tiny: str, **kwargs: Any) -> DeviceConfig:
