@@ -16,7 +16,7 @@ help: ## Show the targets
 	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*##/ {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2} /^##@/ {printf "\n%s\n", substr($$0, 5)}' $(MAKEFILE_LIST)
 
 .PHONY: setup
-setup: $(SETUP_STAMP) model ## Create .venv, install pinned packages and prepare the bundled model
+setup: $(SETUP_STAMP) model cpu-kernels ## Create .venv, install pinned packages, prepare the bundled model, build the CPU kernels
 
 # Mooncake's transfer engine (the `mooncake` KV connector) loads Debian's libibverbs1 even for its
 # TCP transport; install it when the dynamic loader cannot find it (root, or sudo when there is one).
@@ -44,6 +44,13 @@ $(SETUP_STAMP): pyproject.toml | sysdeps
 .PHONY: model
 model: $(SETUP_STAMP)
 	$(PY) -m fleetserve models prepare
+
+# The fused CPU attention (a C++ torch extension, built with g++ into ~/.cache/fleetserve/kernels
+# once per source and machine; ~40 s). Without a compiler the engine falls back to the torch
+# attention and logs why, so a failed build does not stop the set-up.
+.PHONY: cpu-kernels
+cpu-kernels: $(SETUP_STAMP)
+	$(PY) -m fleetserve.kernels.cpu || echo "[setup] CPU kernels not built: the engine uses torch attention"
 
 # `make run ARGS=--once` exits after the answer; any `fleetserve up` flag goes in ARGS.
 ARGS ?=

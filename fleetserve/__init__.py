@@ -9,14 +9,19 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from fleetserve.common.cpu_threads import choose_threading, read_cpu_budget
+
 # NOTE: torch's OpenMP workers spin while waiting by default. On a shared or CPU-limited node
 # (a Kubernetes pod under a CFS quota, a 2-core CI box running other processes) spinning burns
 # the quota and small matmuls become 10-100x slower; measured here: a tiny-model generate took
-# 18.6 s with spinning and 1.4 s with passive waiting under load. The price on an idle machine
-# with dedicated cores: SmolLM2 decode steps ~25% slower (0.48 vs 0.37 s at batch 64), so set
-# OMP_WAIT_POLICY=ACTIVE there. libgomp reads this once, when torch loads, so it must be set
-# before torch is imported; a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# 18.6 s with spinning and 1.4 s with passive waiting under load. The price of passive waiting on
+# an idle machine with dedicated cores: SmolLM2 decode steps ~25% slower (0.48 vs 0.37 s at batch
+# 64). So the policy follows what this process has (`common.cpu_threads`: quota, affinity,
+# load). libgomp reads this once, when torch loads, so it must be set before torch is imported;
+# a user's own setting wins.
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", choose_threading(read_cpu_budget(), os.environ).wait_policy
+)
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

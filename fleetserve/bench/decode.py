@@ -20,9 +20,29 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleetserve.bench.roofline import Roofline
 
 SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": 4096,
@@ -102,8 +122,18 @@ def weight_bytes_per_step(model: Any, batch_size: int) -> int:
     return total
 
 
+def weight_count(model: Any) -> int:
+    """Weights a token multiplies through (every parameter but the embedding table, whose rows
+    are looked up; a tied lm_head counts once)."""
+    embedding = model.model.embed_tokens.weight
+    count = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if embedding is model.lm_head.weight:
+        count += embedding.numel()
+    return int(count)
+
+
 def run_mode(
-    model_dir: Path, args: argparse.Namespace, *, enforce_eager: bool, copy_gb_s: float
+    model_dir: Path, args: argparse.Namespace, *, enforce_eager: bool, roofline: Roofline
 ) -> DecodeResult:
     """Time `args.steps` decode steps of `args.batch_size` requests in a fresh engine."""
     import torch
@@ -129,6 +159,7 @@ def run_mode(
     runner = core.executor.worker.model_runner
     assert runner.model is not None
     weights = weight_bytes_per_step(runner.model, args.batch_size)
+    multiplied = weight_count(runner.model)
     rng = random.Random(args.seed)
     vocab = config.model.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
@@ -155,7 +186,7 @@ def run_mode(
         torch.cuda.empty_cache()
     samples = samples[len(samples) // 5 :]  # first steps warm allocator and caches
     step_s = sorted(samples)[len(samples) // 2]
-    roofline_step_s = weights / (copy_gb_s * 1e9)
+    roofline_step_s = roofline.step_seconds(weights, multiplied, args.batch_size)
     return DecodeResult(
         mode=mode,
         step_ms=step_s * 1e3,
@@ -165,10 +196,11 @@ def run_mode(
 
 
 def format_table(
-    shape: str, device_name: str, copy_gb_s: float, batch: int, rows: list[DecodeResult]
+    shape: str, device_name: str, roofline: Roofline, batch: int, rows: list[DecodeResult]
 ) -> str:
     lines = [
-        f"decode: {shape} on {device_name}, batch {batch}, copy bandwidth {copy_gb_s:.0f} GB/s",
+        f"decode: {shape} on {device_name}, batch {batch}, {roofline.describe()}; roofline = "
+        "max(weight bytes / bandwidth, 2 x weights x batch / GEMM rate)",
         f"{'mode':<12} {'step ms':>9} {'tok/s':>10} {'roofline tok/s':>15} {'of roofline':>12}",
     ]
     for r in rows:
@@ -195,7 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
-    from fleetserve.kernels.bench import measure_roofline
+    from fleetserve.bench.roofline import measure_roofline
+    from fleetserve.engine.config import resolve_dtype
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - {"graphs", "eager"})
@@ -203,21 +236,21 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--modes must list 'graphs' and/or 'eager', got {args.modes!r}")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
-    copy_gb_s = measure_roofline(device, smoke=not cuda).copy_gb_s
+    dtype_name = resolve_dtype(args.dtype, SHAPES[args.shape], device.type)
+    roofline = measure_roofline(device, getattr(torch, dtype_name))
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     rows = []
     with tempfile.TemporaryDirectory(prefix="fleetserve-decode-") as tmp:
         model_dir = write_shape_folder(args.shape, Path(tmp))
         for mode in modes:
-            rows.append(
-                run_mode(model_dir, args, enforce_eager=mode == "eager", copy_gb_s=copy_gb_s)
-            )
-    print(format_table(args.shape, device_name, copy_gb_s, args.batch_size, rows))
+            rows.append(run_mode(model_dir, args, enforce_eager=mode == "eager", roofline=roofline))
+    print(format_table(args.shape, device_name, roofline, args.batch_size, rows))
     if args.json:
         payload = {
             "shape": args.shape,
             "device": device_name,
-            "copy_gb_s": copy_gb_s,
+            "copy_gb_s": roofline.bandwidth_gb_s,
+            "gemm_gflop_s": roofline.gemm_gflop_s,
             "batch_size": args.batch_size,
             "rows": [{**asdict(r), "fraction_of_roofline": r.fraction_of_roofline} for r in rows],
         }

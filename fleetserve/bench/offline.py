@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from fleetserve.envs import read_env
 
@@ -60,7 +61,9 @@ def make_workload(
     return Workload(prompts, output_len)
 
 
-def run_fleetserve(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+def run_fleetserve(
+    model: str, workload: Workload, args: argparse.Namespace, optimization_level: int = 2
+) -> Result:
     from fleetserve import LLM, SamplingParams
 
     llm = LLM(
@@ -69,6 +72,7 @@ def run_fleetserve(model: str, workload: Workload, args: argparse.Namespace) -> 
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        optimization_level=optimization_level,
     )
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], params.clone(max_tokens=2))
@@ -76,7 +80,13 @@ def run_fleetserve(model: str, workload: Workload, args: argparse.Namespace) -> 
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Result("fleetserve", seconds, produced, workload.num_prompt_tokens)
+    name = "fleetserve" if optimization_level == 2 else f"fleetserve-O{optimization_level}"
+    return Result(name, seconds, produced, workload.num_prompt_tokens)
+
+
+def run_fleetserve_o0(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    """The reference paths (-O0: torch attention, nothing compiled), the 'before' column."""
+    return run_fleetserve(model, workload, args, optimization_level=0)
 
 
 def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -> Result:
@@ -155,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engines",
         default="fleetserve,transformers,vllm",
-        help="comma-separated subset of fleetserve,transformers,vllm",
+        help="comma-separated subset of fleetserve,fleetserve-O0,transformers,vllm",
     )
     parser.add_argument(
         "--vllm-python",
@@ -176,7 +186,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     workload = make_workload(
         vocab, args.num_prompts, args.min_input, args.max_input, args.output_len, args.seed
     )
-    runners = {"fleetserve": run_fleetserve, "transformers": run_transformers, "vllm": run_vllm}
+    runners = {
+        "fleetserve": run_fleetserve,
+        "fleetserve-O0": run_fleetserve_o0,
+        "transformers": run_transformers,
+        "vllm": run_vllm,
+    }
     results: list[Result] = []
     for name in args.engines.split(","):
         if name not in runners:
@@ -188,6 +203,26 @@ def run_from_args(args: argparse.Namespace) -> int:
         results.append(result)
         print(f"{name}: {result.output_tokens_per_s:.1f} output tok/s ({result.seconds:.1f} s)")
     print(format_table(results, workload))
+    fraction: float | None = None
+    base = next((r for r in results if r.engine == "fleetserve"), None)
+    if base is not None:
+        import torch
+
+        from fleetserve.bench.roofline import measure_roofline
+
+        roofline = measure_roofline(torch.device("cpu"), getattr(torch, args.dtype))
+        tokens = workload.num_prompt_tokens + base.output_tokens
+        bound_s = (
+            2
+            * multiplied_weights(load_hf_config(args.model))
+            * tokens
+            / (roofline.gemm_gflop_s * 1e9)
+        )
+        fraction = bound_s / base.seconds
+        print(
+            f"{roofline.describe()}; fleetserve at {100 * fraction:.1f}% of the GEMM roofline "
+            f"(2 x weights x {tokens} prompt + output tokens, attention not counted)"
+        )
     if args.output_json:
         Path(args.output_json).write_text(
             json.dumps(
@@ -201,11 +236,29 @@ def run_from_args(args: argparse.Namespace) -> int:
                         asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results
                     ],
                     "loadavg": os.getloadavg(),
+                    "fraction_of_gemm_roofline": fraction,
                 },
                 indent=2,
             )
         )
     return 0
+
+
+def multiplied_weights(hf_config: dict[str, Any]) -> int:
+    """Weights one token multiplies through in a Llama-shaped model (every projection, the
+    norms and the lm_head; the embedding lookup is not a multiply)."""
+    hidden = int(hf_config["hidden_size"])
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    q = heads * head_dim
+    kv = int(hf_config.get("num_key_value_heads", heads)) * head_dim
+    inter = int(hf_config["intermediate_size"])
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    return (
+        int(hf_config["num_hidden_layers"]) * per_layer
+        + hidden
+        + int(hf_config["vocab_size"]) * hidden
+    )
 
 
 def format_table(results: list[Result], workload: Workload) -> str:

@@ -31,6 +31,8 @@ from typing import Any
 
 import aiohttp
 
+from fleetserve.bench.serve_launch import add_launch_arguments
+
 _SLO_NAMES = ("ttft", "tpot", "e2el")
 
 
@@ -413,6 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--output-json", default=None, help="write summary + per-request data")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write latency histograms")
+    add_launch_arguments(parser)
 
 
 def _load_decoder(args: argparse.Namespace) -> tuple[int, Any | None]:
@@ -431,6 +434,15 @@ def _load_decoder(args: argparse.Namespace) -> tuple[int, Any | None]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.launch:
+        import tempfile
+
+        from fleetserve.bench.serve_launch import format_rows, run_launched
+
+        logs = Path(tempfile.mkdtemp(prefix="fleetserve-bench-serve-"))
+        print(f"server logs: {logs}")
+        print(format_rows(run_launched(args, logs)))
+        return 0
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
     slos = parse_goodput(args.goodput)
     if args.request_rate <= 0 or args.burstiness <= 0:

@@ -19,6 +19,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from fleetserve.engine.compilation.levels import DEFAULT_LEVEL, resolve_knobs
 from fleetserve.engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -77,12 +78,14 @@ class EngineArgs:
                                   choices=("fcfs", "priority"))  # fmt: skip
     full_sequence_must_fit: bool = _arg(False, "admit only when prompt + max_tokens fit")
     attention_backend: str = _arg("auto", "attention implementation",
-                                  choices=("auto", "torch", "triton", "flash_attn"))  # fmt: skip
+                                  choices=("auto", "torch", "triton", "flash_attn", "cpu_paged"))  # fmt: skip
     custom_ops: str = _arg("auto", "which of RMSNorm, rotary and SiLU-and-mul run as custom "
                            "kernels: all, none, or +op/-op over the platform default (all on "
                            "CUDA), e.g. none,+rms_norm (names: rms_norm, rotary, silu_and_mul; "
                            "triton/torch = all/none)")  # fmt: skip
-    enforce_eager: bool = _arg(False, "never capture CUDA graphs")
+    enforce_eager: bool | None = _arg(
+        None, "never capture CUDA graphs (unset: from the optimization level; -O0 sets it)"
+    )
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _arg(1, "pipeline stages")
     pipeline_layer_partition: str | None = _arg(
@@ -137,6 +140,12 @@ class EngineArgs:
     lora_modules: list[str] | None = _arg(  # noqa: RUF009 - _arg returns a field()
         None, "LoRA: adapters served from start-up, as name=path items"
     )
+    optimization_level: int = _arg(
+        DEFAULT_LEVEL,
+        "-O0..-O3: defaults for the speed knobs left unset (explicit flags win); 0 compiles and "
+        "captures nothing (torch attention, no CUDA graphs), 1-3 fused CPU attention and CUDA "
+        "graphs (fleetserve/engine/compilation/levels.py)",
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -181,7 +190,10 @@ class EngineArgs:
                 continue
             parse: Any = _json_object(flag) if kind is dict else kind
             default = f.default if f.default is not MISSING else None
-            group.add_argument(flag, type=parse, default=default, choices=choices, help=help_text)
+            # NOTE: vLLM's short form, -O2 (or -O 2), for the optimization level.
+            short = ("-O",) if f.name == "optimization_level" else ()
+            group.add_argument(*short, flag, type=parse, default=default, choices=choices,
+                               help=help_text)  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
@@ -219,6 +231,9 @@ class EngineArgs:
             if f.metadata["choices"] is not None:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         device = resolve_device(self.device)
+        knobs = resolve_knobs(
+            self.optimization_level, device, self.enforce_eager, self.attention_backend
+        )
         custom_ops = resolve_custom_ops(self.custom_ops, device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
         max_model_len = model_limit if self.max_model_len is None else self.max_model_len
@@ -265,10 +280,11 @@ class EngineArgs:
             ),
             device=DeviceConfig(
                 device=device,
-                attention_backend=self.attention_backend,
+                attention_backend=knobs.attention_backend,
                 custom_ops=custom_ops,
-                enforce_eager=self.enforce_eager,
+                enforce_eager=knobs.enforce_eager,
                 moe_backend=self.moe_backend,
+                optimization_level=self.optimization_level,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,

@@ -22,7 +22,7 @@ from fleetserve.engine.quantization.resolve import QuantizationConfig
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn")
+_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash_attn", "cpu_paged")
 _POLICIES: tuple[str, ...] = ("fcfs", "priority")
 _CUSTOM_OPS: tuple[str, ...] = ("auto", "torch", "triton")
 _MOE_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -441,6 +441,8 @@ class DeviceConfig:
     moe_backend: str = "auto"
     """MoE expert GEMMs: 'torch', 'triton' (the fused kernel) or 'auto' (triton on CUDA, torch
     on the CPU; `fleetserve.engine.layers.fused_moe.selector`)."""
+    optimization_level: int = 2
+    """The `-O` level the knobs above were defaulted from (named in optimisation failures)."""
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)

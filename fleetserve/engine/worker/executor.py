@@ -18,6 +18,7 @@ from typing import Any
 
 from fleetserve.engine.config import EngineConfig, ParallelConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.worker.cpu_threads import configure_cpu_threads
 from fleetserve.engine.worker.worker import Worker
 
 
@@ -177,6 +178,8 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         parallel = config.parallel
+        if config.device.device == "cpu":
+            configure_cpu_threads(1)
         # NOTE: a lockstep data-parallel rank's one worker is rank `data_parallel_rank` of the
         # world all DP ranks share (tensor × pipeline is 1 here).
         self.worker = Worker(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fleetserve.engine.compilation.levels import lower_level_hint
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
@@ -299,7 +300,11 @@ class Worker:
         sizes = cuda_graph_capture_sizes(self.config.scheduler.max_num_seqs)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
-        self.model_runner.capture_decode_graphs(sizes)
+        try:
+            self.model_runner.capture_decode_graphs(sizes)
+        except RuntimeError as exc:
+            level = self.config.device.optimization_level
+            raise RuntimeError(f"{lower_level_hint(level, 'CUDA graph capture')}: {exc}") from exc
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(

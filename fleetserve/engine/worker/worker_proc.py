@@ -23,10 +23,10 @@ import pickle
 import traceback
 from typing import Any
 
-import torch
 import zmq
 
 from fleetserve.engine.distributed.pod_group import pod_group
+from fleetserve.engine.worker.cpu_threads import configure_cpu_threads
 from fleetserve.engine.worker.worker import Worker
 from fleetserve.envs import read_env
 from fleetserve.plugins.loader import load_general_plugins
@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     load_general_plugins()  # a worker process is one of "every process" (and builds the model)
     with open(args.config, "rb") as f:
         config = pickle.load(f)
-    if config.device.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if config.device.device == "cpu":
         # NOTE: every rank of this host would otherwise start one thread per core. In a
         # multi-pod group only this pod's ranks share its cores.
         group = pod_group(read_env(), config.parallel.world_size_across_dp)
         ranks_here = config.parallel.world_size if group is None else group.ranks_per_pod
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+        configure_cpu_threads(ranks_here)
     ctx = zmq.Context()
     requests = ctx.socket(zmq.PULL)
     requests.connect(args.requests)

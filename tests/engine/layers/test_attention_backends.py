@@ -10,6 +10,7 @@ import torch
 
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.cpu_backend import CpuPagedAttentionBackend
 from fleetserve.engine.layers.attention.metadata import build_attention_metadata
 from fleetserve.engine.layers.attention.selector import (
     attention_backend_registry,
@@ -17,20 +18,22 @@ from fleetserve.engine.layers.attention.selector import (
 )
 from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
 from fleetserve.engine.layers.attention.triton_backend import TritonAttentionBackend
+from fleetserve.kernels.cpu.build import load_cpu_kernels
 from tests.engine.tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
 
 
-def test_registry_lists_every_backend_torch_first_without_cuda() -> None:
+def test_registry_lists_every_backend_cpu_ones_first_without_cuda() -> None:
     registry = attention_backend_registry()
-    assert set(registry) == {"torch", "triton", "flash_attn"}
+    assert set(registry) == {"cpu_paged", "torch", "triton", "flash_attn"}
     if not torch.cuda.is_available():
-        assert next(iter(registry)) == "torch"
+        assert list(registry)[:2] == ["cpu_paged", "torch"]
 
 
-def test_auto_on_cpu_picks_torch_even_with_the_interpreter() -> None:
-    assert select_attention_backend("auto", 32, torch.float32, 16, CPU) is TorchAttentionBackend
+def test_auto_on_cpu_picks_a_cpu_backend_even_with_the_interpreter() -> None:
+    expected = CpuPagedAttentionBackend if load_cpu_kernels().available else TorchAttentionBackend
+    assert select_attention_backend("auto", 32, torch.float32, 16, CPU) is expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only set without CUDA")
@@ -63,17 +66,20 @@ def test_triton_on_cpu_without_the_interpreter_says_so(monkeypatch: pytest.Monke
 def test_auto_falls_back_and_logs_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On a CUDA host serving a CPU model, both kernels decline and 'auto' lands on torch."""
+    """On a CUDA host serving a CPU model, both kernels decline and 'auto' lands on torch
+    (here with the fused CPU backend declining too)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert list(attention_backend_registry()) == ["flash_attn", "triton", "torch"]
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_dtypes", ())
+    assert list(attention_backend_registry()) == ["flash_attn", "triton", "cpu_paged", "torch"]
     with caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention.selector"):
         chosen = select_attention_backend("auto", 32, torch.float32, 16, CPU)
     assert chosen is TorchAttentionBackend
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == 2
+    assert len(skipped) == 3
     assert skipped[0].startswith("attention backend 'flash_attn' skipped: ")
     assert skipped[1].startswith("attention backend 'triton' skipped: ")
+    assert skipped[2].startswith("attention backend 'cpu_paged' skipped: ")
     assert "TRITON_INTERPRET=1" in skipped[1]
 
 
@@ -83,6 +89,7 @@ def test_auto_never_picks_the_interpreted_triton_on_cpu(
 ) -> None:
     """Even when torch cannot serve and triton could (interpreted), 'auto' refuses and says why."""
     monkeypatch.setattr(TorchAttentionBackend, "supported_block_sizes", (16,))
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_block_sizes", (16,))
     with (
         caplog.at_level(logging.INFO, logger="fleetserve.engine.layers.attention.selector"),
         pytest.raises(ValueError, match=r"no attention backend.*triton: on the CPU triton runs"),

@@ -7,6 +7,7 @@ import torch
 
 from fleetserve.engine.layers.attention import torch_backend
 from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.cpu_backend import CpuPagedAttentionBackend
 from fleetserve.engine.layers.attention.metadata import build_attention_metadata
 from fleetserve.engine.layers.attention.selector import select_attention_backend
 from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
@@ -166,13 +167,17 @@ def test_slot_minus_one_writes_nothing() -> None:
     assert flat[:, [1, 2, 3, 4, 6, 7, 8, 9, 10, 11]].eq(0).all()
 
 
-def test_select_auto_returns_torch() -> None:
+def test_select_auto_returns_torch_without_the_fused_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused CPU kernel goes first on the CPU; when it cannot serve, torch is next."""
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_dtypes", ())
     backend = select_attention_backend("auto", HEAD_SIZE, torch.float32, BLOCK_SIZE, CPU)
     assert backend is TorchAttentionBackend
 
 
 def test_select_unknown_name_lists_allowed() -> None:
-    with pytest.raises(ValueError, match=r"\['auto', 'torch'"):
+    with pytest.raises(ValueError, match=r"\['auto', 'cpu_paged', 'torch'"):
         select_attention_backend("paged_magic", HEAD_SIZE, torch.float32, BLOCK_SIZE, CPU)
 
 
@@ -180,6 +185,7 @@ def test_select_explicit_backend_that_cannot_serve_gives_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(TorchAttentionBackend, "supported_block_sizes", (16,))
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_block_sizes", (16,))
     with pytest.raises(ValueError, match="block_size 4 is not one of"):
         select_attention_backend("torch", HEAD_SIZE, torch.float32, BLOCK_SIZE, CPU)
     with pytest.raises(ValueError, match="no attention backend"):

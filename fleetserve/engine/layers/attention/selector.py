@@ -12,6 +12,7 @@ import logging
 import torch
 
 from fleetserve.engine.layers.attention.base import AttentionBackend
+from fleetserve.engine.layers.attention.cpu_backend import CpuPagedAttentionBackend
 from fleetserve.engine.layers.attention.flash_backend import FlashAttentionBackend
 from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
 from fleetserve.engine.layers.attention.triton_backend import TritonAttentionBackend
@@ -27,10 +28,10 @@ def attention_backend_registry() -> dict[str, type[AttentionBackend]]:
     """
     kernels: list[type[AttentionBackend]] = [FlashAttentionBackend, TritonAttentionBackend]
     # NOTE: without CUDA the kernels run only in Triton's interpreter, far slower than torch:
-    # torch is the best there, so it goes first (and the kernels decline 'auto' on the CPU).
-    ordered: list[type[AttentionBackend]] = [*kernels, TorchAttentionBackend]
-    if not torch.cuda.is_available():
-        ordered = [TorchAttentionBackend, *kernels]
+    # the fused C++ kernel and then torch are the best there, so they go first (and the Triton
+    # kernels decline 'auto' on the CPU). The C++ kernel declines CUDA devices itself.
+    cpu: list[type[AttentionBackend]] = [CpuPagedAttentionBackend, TorchAttentionBackend]
+    ordered = [*kernels, *cpu] if torch.cuda.is_available() else [*cpu, *kernels]
     return {backend.name: backend for backend in ordered}
 
 

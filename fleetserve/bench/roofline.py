@@ -1,0 +1,67 @@
+"""This machine's roofline, measured in the run that uses it: a bandwidth and a GEMM-rate probe.
+
+A decode step must read every weight once (memory-bound at small batches) and do two FLOPs per
+weight per token (compute-bound at large ones), so its fastest possible time is
+max(weight bytes / bandwidth, 2 · weights · batch / GEMM rate). Both rates are measured here, on
+the device and dtype of the engine, with the best of a few repetitions (the box is shared: the
+best is the closest to what the hardware can do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    bandwidth_gb_s: float
+    """Copy bandwidth (bytes read + written per second), 1e9 units."""
+    gemm_gflop_s: float
+    """Square-matmul rate in the engine's dtype, 1e9 FLOP/s."""
+
+    def step_seconds(self, weight_bytes: int, weight_count: int, tokens: int) -> float:
+        """The fastest possible step that reads `weight_bytes` once and multiplies `tokens` rows
+        through `weight_count` weights."""
+        read = weight_bytes / (self.bandwidth_gb_s * 1e9)
+        compute = 2 * weight_count * tokens / (self.gemm_gflop_s * 1e9)
+        return max(read, compute)
+
+    def describe(self) -> str:
+        return (
+            f"roofline probes: copy bandwidth {self.bandwidth_gb_s:.1f} GB/s, "
+            f"GEMM {self.gemm_gflop_s:.1f} GFLOP/s"
+        )
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_roofline(
+    device: torch.device, dtype: torch.dtype = torch.float32, reps: int = 5
+) -> Roofline:
+    """Bandwidth of a 256 MiB copy (far past the caches) and the rate of a square matmul
+    (1024 on the CPU, 8192 on a GPU) in `dtype`."""
+    numel = 64 << 20  # 64 Mi fp32 = 256 MiB
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), device, reps)
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    mm_s = _best_seconds(lambda: a @ b, device, reps)
+    return Roofline(bandwidth_gb_s=2 * numel * 4 / copy_s / 1e9, gemm_gflop_s=2 * n**3 / mm_s / 1e9)

@@ -1,0 +1,1 @@
+"""Optimisation policy: the `-O` levels (`levels`)."""

@@ -1,0 +1,214 @@
+// Paged attention and the KV-cache write for the CPU, reading the paged cache in place.
+//
+// Registered as torch ops in the `fleetserve_cpu` namespace (loaded with torch.ops.load_library
+// by fleetserve/kernels/cpu/build.py, which compiles this file once per source hash and machine).
+//
+// Layout (fleetserve/engine/layers/attention/metadata.py): one cache per layer,
+// [2, num_blocks, block_size, num_kv_heads, head_size], index 0 = keys, 1 = values; requests lie
+// back to back in the token dimension, request r owns query rows
+// query_start_loc[r] .. query_start_loc[r + 1] at positions seq_len - query_len + j.
+//
+// Work is split over (query row, kv head) pairs with at::parallel_for (torch's thread pool, so
+// torch.set_num_threads governs it). A pair reads its kv head's keys and values once for all the
+// query heads that share it (GQA), block by block straight from the cache, with an online
+// softmax in float32: no gathered K/V, no padding to the longest sequence, no mask.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const T* key_cache,
+                 const T* value_cache, int64_t block_stride, int64_t token_stride,
+                 const int32_t* query_start_loc, const int32_t* seq_lens,
+                 const int32_t* block_table, int64_t block_table_stride, T* out,
+                 int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
+                 int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                 int64_t block_size, float scale, int64_t max_query_len) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t D = head_size;
+  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), scores(group * block_size);
+    std::vector<float> row_max(group), row_sum(group);
+    int64_t req = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tok = item / num_kv_heads;
+      const int64_t kvh = item % num_kv_heads;
+      // The request owning this row: query_start_loc is sorted, items ascend within a chunk.
+      if (req >= num_reqs || tok < query_start_loc[req] || tok >= query_start_loc[req + 1]) {
+        req = std::upper_bound(query_start_loc, query_start_loc + num_reqs + 1, (int32_t)tok) -
+              query_start_loc - 1;
+      }
+      const int64_t query_len = query_start_loc[req + 1] - query_start_loc[req];
+      if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
+      const int64_t row = tok - query_start_loc[req];
+      // Causal: this row sees every cached position up to and including its own.
+      const int64_t kv_len = seq_lens[req] - query_len + row + 1;
+      const int32_t* blocks = block_table + req * block_table_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qh = q + tok * q_stride_tok + (kvh * group + g) * q_stride_head;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * scale;
+        row_max[g] = -std::numeric_limits<float>::infinity();
+        row_sum[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < kv_len; start += block_size) {
+        const int64_t n = std::min(block_size, kv_len - start);
+        const int64_t block = blocks[start / block_size];
+        const T* kb = key_cache + block * block_stride + kvh * D;
+        const T* vb = value_cache + block * block_stride + kvh * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * D;
+          float* s = scores.data() + g * block_size;
+          float m = row_max[g];
+          for (int64_t t = 0; t < n; ++t) {
+            const T* k = kb + t * token_stride;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(k[d]);
+            s[t] = dot;
+            m = std::max(m, dot);
+          }
+          const float correction = std::exp(row_max[g] - m);
+          float* a = acc.data() + g * D;
+          float sum = row_sum[g] * correction;
+          if (correction != 1.f) {
+            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = std::exp(s[t] - m);
+            sum += p;
+            const T* v = vb + t * token_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
+          }
+          row_max[g] = m;
+          row_sum[g] = sum;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + tok * out_stride_tok + (kvh * group + g) * out_stride_head;
+        const float inv = 1.f / row_sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+void check_common(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu(), "kv_cache must be on the CPU");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+}
+
+// out[T, H, D] = causal attention of query[T, H, D] over the paged cache, for the rows of
+// requests whose query is at most max_query_len long; other rows, and rows past
+// query_start_loc[num_reqs], are left untouched.
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_table, double scale, int64_t max_query_len,
+                     at::Tensor& out) {
+  check_common(kv_cache);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, "out must be like query");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == kv_cache.scalar_type(),
+              "query, out and kv_cache must share a dtype");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "query_start_loc and seq_lens must be contiguous int32");
+  }
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "block_table must be int32 with contiguous rows");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1, "query_start_loc must be [num_reqs + 1]");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= num_reqs,
+              "block_table must be [num_reqs, max_blocks]");
+  const int64_t num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_size, "kv_cache head_size must equal query's");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t num_tokens = num_reqs == 0 ? 0 : query_start_loc.const_data_ptr<int32_t>()[num_reqs];
+  TORCH_CHECK(num_tokens <= query.size(0), "query_start_loc goes past the query rows");
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK((lens[r] + block_size - 1) / block_size <= block_table.size(1),
+                "block_table is too narrow for seq_lens[", r, "] = ", lens[r]);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, query.scalar_type(), "fleetserve_cpu_paged_attention", [&] {
+        const scalar_t* cache = kv_cache.const_data_ptr<scalar_t>();
+        attend_rows<scalar_t>(
+            query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1), cache,
+            cache + kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
+            block_table.const_data_ptr<int32_t>(), block_table.stride(0),
+            out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
+            num_tokens, num_heads, num_kv_heads, head_size, block_size,
+            static_cast<float>(scale), max_query_len);
+      });
+}
+
+// Scatter key/value [T, Hkv, D] into the cache at slot_mapping [T] (int64, -1 = skip).
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping) {
+  check_common(kv_cache);
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and kv_cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  TORCH_CHECK(key.size(0) >= num_tokens && key.size(1) * key.size(2) == row &&
+                  value.sizes() == key.sizes(),
+              "key and value must be [T, num_kv_heads, head_size] like the cache");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "key and value rows must be contiguous");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t item = kv_cache.element_size();
+  const char* k = static_cast<const char*>(key.const_data_ptr());
+  const char* v = static_cast<const char*>(value.const_data_ptr());
+  char* kc = static_cast<char*>(kv_cache.mutable_data_ptr());
+  char* vc = kc + kv_cache.stride(0) * item;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "slot_mapping entry ", slot, " is past the cache");
+    std::memcpy(kc + slot * row * item, k + t * key.stride(0) * item, row * item);
+    std::memcpy(vc + slot * row * item, v + t * value.stride(0) * item, row * item);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fleetserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_table, float scale, int max_query_len, Tensor(a!) out) -> ()");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fleetserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}

@@ -1,0 +1,155 @@
+"""The fused CPU paged attention against the torch reference backend and the float64 oracle.
+
+Odd shapes on purpose: partial last blocks, GQA groups of 1/3/4, a block size that is not a
+power of two's usual 16, head sizes 32/64/80, scattered (non-contiguous) block ids, and steps that
+mix chunked prefill rows with decodes; plus the KV write (exact) and the selector's fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from fleetserve.engine.layers.attention import selector as selector_module
+from fleetserve.engine.layers.attention.cpu_backend import CpuPagedAttentionBackend
+from fleetserve.engine.layers.attention.metadata import build_attention_metadata
+from fleetserve.engine.layers.attention.selector import select_attention_backend
+from fleetserve.engine.layers.attention.torch_backend import TorchAttentionBackend
+from fleetserve.kernels.cpu.build import CpuKernels, load_cpu_kernels
+from fleetserve.kernels.reference import paged_attention_ref
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not load_cpu_kernels().available, reason=str(load_cpu_kernels().error)
+)
+
+
+def _random_step(
+    rng: random.Random,
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """A cache with every request's context already written at scattered blocks, this step's
+    q/k/v, and its metadata inputs (the slot mapping continues each request's blocks)."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_needed) + 3
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    width = max(blocks_needed)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    slots: list[int] = []
+    for r, (n, context, q) in enumerate(zip(blocks_needed, context_lens, query_lens, strict=True)):
+        row = [ids.pop() for _ in range(n)]
+        table[r, :n] = torch.tensor(row, dtype=torch.int32)
+        slots += [
+            row[p // block_size] * block_size + p % block_size for p in range(context, context + q)
+        ]
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    cache[:, 0] = 0.0
+    total = sum(query_lens)
+    q = torch.randn(total, num_heads, head_size, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_size, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_size, generator=gen)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    return cache.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), table, slot_mapping
+
+
+CASES = [
+    # (query_lens, context_lens, heads, kv_heads, head_size, block_size)
+    ([1] * 7, [0, 1, 15, 16, 17, 40, 99], 4, 2, 32, 16),  # uniform decode, partial blocks
+    ([5, 1, 1, 9, 1], [0, 30, 7, 12, 64], 9, 3, 64, 16),  # chunked prefill mixed with decodes
+    ([3, 1, 2], [5, 6, 0], 4, 4, 80, 5),  # MHA, odd block and head size
+    ([1, 17], [33, 3], 8, 1, 32, 8),  # MQA (one kv head), a long chunk
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fused_equals_torch_reference_and_oracle(case: int, dtype: torch.dtype) -> None:
+    query_lens, context_lens, heads, kv_heads, head_size, block_size = CASES[case]
+    rng = random.Random(case)
+    cache, q, k, v, table, slots = _random_step(
+        rng, query_lens, context_lens, heads, kv_heads, head_size, block_size, dtype
+    )
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    metadata = build_attention_metadata(query_lens, seq_lens, table, slots, block_size, CPU)
+    scale = head_size**-0.5
+    outs, caches = [], []
+    for cls in (TorchAttentionBackend, CpuPagedAttentionBackend):
+        kv_cache = cache.clone()
+        outs.append(cls(heads, kv_heads, head_size).forward(q, k, v, kv_cache, metadata, scale))
+        caches.append(kv_cache)
+    torch.testing.assert_close(caches[1], caches[0], atol=0.0, rtol=0.0)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    oracle = paged_attention_ref(
+        q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale
+    )
+    torch.testing.assert_close(outs[1], oracle, atol=tol, rtol=tol)
+    # The kernel alone on every row (prefill chunks included, which the backend gives to SDPA).
+    whole = torch.empty_like(q)
+    torch.ops.fleetserve_cpu.paged_attention(
+        q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale, 1 << 30, whole
+    )
+    torch.testing.assert_close(whole, oracle, atol=tol, rtol=tol)
+
+
+def test_padding_rows_write_nothing_and_read_as_zero() -> None:
+    """Graph-style padding: slot -1 rows leave the cache alone; rows past the requests are 0."""
+    cache, q, k, v, table, slots = _random_step(
+        random.Random(5), [1, 1], [3, 20], 4, 2, 32, 16, torch.float32
+    )
+    metadata = build_attention_metadata([1, 1], [4, 21], table, slots, 16, CPU)
+    padded_q = torch.cat([q, torch.randn(2, 4, 32)])
+    padded_k = torch.cat([k, torch.randn(2, 2, 32)])
+    before = cache.clone()
+    out = CpuPagedAttentionBackend(4, 2, 32).forward(
+        padded_q, padded_k, torch.cat([v, v]), cache, metadata, 32**-0.5
+    )
+    assert torch.equal(out[2:], torch.zeros(2, 4, 32))
+    changed = (cache != before).flatten(2).any(-1)  # [2, blocks, block_size]
+    assert int(changed.sum()) == 4  # two tokens, key and value each
+
+
+def test_bad_block_table_is_refused_not_read_past() -> None:
+    cache, q, _, _, table, slots = _random_step(
+        random.Random(2), [1], [40], 4, 2, 32, 16, torch.float32
+    )
+    metadata = build_attention_metadata([1], [41], table, slots, 16, CPU)
+    with pytest.raises(RuntimeError, match="block_table is too narrow"):
+        torch.ops.fleetserve_cpu.paged_attention(
+            q, cache, metadata.query_start_loc, metadata.seq_lens, table[:, :1], 1.0, 8, q.clone()
+        )
+
+
+def test_auto_on_cpu_picks_the_fused_backend() -> None:
+    chosen = select_attention_backend("auto", 64, torch.float32, 16, CPU)
+    assert chosen is CpuPagedAttentionBackend
+
+
+def test_build_failure_falls_back_to_torch_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = CpuKernels(None, "the CPU kernels could not be built or loaded: g++ exploded")
+    monkeypatch.setattr(
+        "fleetserve.engine.layers.attention.cpu_backend.load_cpu_kernels", lambda: broken
+    )
+    with caplog.at_level(logging.INFO, logger=selector_module.__name__):
+        chosen = select_attention_backend("auto", 64, torch.float32, 16, CPU)
+    assert chosen is TorchAttentionBackend
+    assert (
+        "attention backend 'cpu_paged' skipped: the CPU kernels could not be built" in caplog.text
+    )
+    with pytest.raises(ValueError, match=r"'cpu_paged' cannot serve this model: .*g\+\+ exploded"):
+        select_attention_backend("cpu_paged", 64, torch.float32, 16, CPU)
