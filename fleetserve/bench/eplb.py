@@ -140,7 +140,6 @@ def _rearrangement(
         "spike_ms": spike,
         "blocked_ms": eplb.stats.last_rearrange_s * 1e3,
         "steps_to_commit": float(commit_step - interval),
-        "balancedness_before": eplb.stats.balancedness or 0.0,
     }
 
 
@@ -236,6 +235,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"redundant, {mb:.1f} MiB each; {args.tokens} tokens/step, top-{args.top_k}, "
         f"experts {args.redundant}..{args.redundant + args.hot - 1} favoured by +{args.skew} logits"
     )
+    if not result["rebalanced"]:
+        print("(the rebalance was skipped: the plan gained too little; raise --skew)")
     print(f"{'':32}{'before':>12}{'after':>12}")
     print(
         f"{'balancedness (measured)':32}{result['balancedness_before']:>12.3f}"
