@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["Pki", "create_pki", "write_kubeconfig"]
+__all__ = ["Pki", "WebhookPki", "create_pki", "create_webhook_pki", "write_kubeconfig"]
 
 _DAYS = "30"
 
@@ -111,6 +111,64 @@ def create_pki(dir: Path) -> Pki:
     )
     _ec_key(pki.sa_key)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=dir)
+    return pki
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookPki:
+    """A webhook server's own CA and serving certificate (`create_webhook_pki`), all PEM."""
+
+    dir: Path
+
+    @property
+    def ca_crt(self) -> Path:
+        return self.dir / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.dir / "ca.key"
+
+    @property
+    def tls_crt(self) -> Path:
+        return self.dir / "tls.crt"
+
+    @property
+    def tls_key(self) -> Path:
+        return self.dir / "tls.key"
+
+
+def create_webhook_pki(dir: Path, *, ca_name: str, dns_name: str, days: int) -> WebhookPki:
+    """Write a CA named `ca_name` (also its DNS SAN) and a serving cert for `dns_name` and
+    127.0.0.1 into `dir`, as `ca.crt`, `ca.key`, `tls.crt`, `tls.key` (a kubernetes.io/tls
+    Secret's keys, plus the CA's).
+
+    Its own CA, not the cluster's: a webhook server that rotates its certificates keeps the CA
+    key in a Secret, and the cluster CA's key signs the API server's identity.
+    """
+    dir.mkdir(parents=True, exist_ok=True)
+    pki = WebhookPki(dir)
+    _ec_key(pki.ca_key)
+    _openssl(
+        "req", "-x509", "-new", "-key", str(pki.ca_key), "-out", str(pki.ca_crt),
+        "-days", str(days), "-subj", f"/O=fleetserve dev cluster/CN={ca_name}",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,digitalSignature",
+        "-addext", f"subjectAltName=DNS:{ca_name}", cwd=dir,
+    )  # fmt: skip
+    csr, ext = dir / "tls.csr", dir / "tls.ext"
+    _ec_key(pki.tls_key)
+    _openssl(
+        "req", "-new", "-key", str(pki.tls_key), "-out", str(csr), "-subj", f"/CN={dns_name}",
+        cwd=dir,
+    )  # fmt: skip
+    ext.write_text(f"subjectAltName=DNS:{dns_name},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(pki.ca_crt), "-CAkey", str(pki.ca_key),
+        "-CAcreateserial", "-days", str(days), "-out", str(pki.tls_crt), "-extfile", str(ext),
+        cwd=dir,
+    )  # fmt: skip
+    csr.unlink()
+    ext.unlink()
     return pki
 
 
