@@ -350,12 +350,6 @@ class Scheduling(_Model):
                     "message": "scheduling.queueName (a Kueue LocalQueue in the deployment's"
                     " namespace) is required with gangAdmission kueue, and only then",
                 },
-                {
-                    "rule": "!has(self.queueName) || (size(self.queueName) <= 63 &&"
-                    f" self.queueName.matches('{_QUEUE_NAME}'))",
-                    "message": "scheduling.queueName must be a LocalQueue name of at most 63"
-                    " lowercase letters, digits, '-' and '.', starting and ending alphanumeric",
-                },
             ]
         }
     )
