@@ -168,7 +168,10 @@ def test_a_group_is_admitted_whole_or_holds_no_gpu(
     [
         ({"gangAdmission": "kueue"}, "is required with gangAdmission kueue, and only then"),
         ({"queueName": "gpus"}, "is required with gangAdmission kueue, and only then"),
-        ({"gangAdmission": "kueue", "queueName": "GPUs_A"}, "spec.scheduling.queueName in body should match"),
+        (
+            {"gangAdmission": "kueue", "queueName": "GPUs_A"},
+            "spec.scheduling.queueName in body should match",
+        ),
         ({"gangAdmission": "volcano", "queueName": "gpus"}, 'Unsupported value: "volcano"'),
     ],
 )
