@@ -124,7 +124,7 @@ def admission_waits(
     `workloads` maps the names `waiting_pod_groups` gave to Kueue's Workload of that name
     (None: none yet; Kueue makes it once every pod of the group exists), or is None when
     Workloads cannot be read. The reason is Kueue's when it has one, e.g. "couldn't assign
-    flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor default-flavor,
+    flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor default-flavor,
     16 more needed".
     """
     out: dict[GroupKey, str] = {}

@@ -19,7 +19,7 @@ from fleetserve.operator.gang import (
 
 OWNER = Owner(name="d", namespace="ns", uid="u")
 QUOTA_MESSAGE = (
-    "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor"
+    "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor"
     " default-flavor, 16 more needed"
 )
 

@@ -119,7 +119,7 @@ def test_a_group_is_admitted_whole_or_holds_no_gpu(
         env.apply(ns, _deployment("second", "gpus"))
         poll(
             "Kueue's reason in the second deployment's status",
-            lambda: "insufficient quota" in _condition(env, ns, "second").get("message", ""),
+            lambda: "insufficient unused quota" in _condition(env, ns, "second").get("message", ""),
             timeout_s=45,
         )
         condition = _condition(env, ns, "second")
