@@ -1,7 +1,8 @@
 """A throwaway PKI for one dev cluster, made with the `openssl` command, and kubeconfig files.
 
-Everything is ECDSA P-256: key generation is instant (RSA-2048 costs ~0.1-1 s per key on 2 busy
-cores) and kube-apiserver accepts ES256 service-account signing keys.
+The cluster's PKI is ECDSA P-256: key generation is instant (RSA-2048 costs ~0.1-1 s per key on
+2 busy cores) and kube-apiserver accepts ES256 service-account signing keys. Kueue's webhook PKI
+(`create_webhook_pki`, only with Kueue) is RSA, the one key type its certificate rotator reads.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def _ec_key(path: Path) -> None:
         "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(path),
         cwd=path.parent,
     )  # fmt: skip
+
+
+def _rsa_pkcs1_key(path: Path) -> None:
+    # `-traditional`: PKCS#1 ("RSA PRIVATE KEY"), the only form Kueue's certificate rotator
+    # (open-policy-agent/cert-controller) parses a CA key in.
+    _openssl("genrsa", "-traditional", "-out", str(path), "2048", cwd=path.parent)
 
 
 def _signed_cert(pki: Pki, name: str, subject: str, extensions: str) -> None:
@@ -142,12 +149,13 @@ def create_webhook_pki(dir: Path, *, ca_name: str, dns_name: str, days: int) -> 
     127.0.0.1 into `dir`, as `ca.crt`, `ca.key`, `tls.crt`, `tls.key` (a kubernetes.io/tls
     Secret's keys, plus the CA's).
 
-    Its own CA, not the cluster's: a webhook server that rotates its certificates keeps the CA
+    RSA keys in PKCS#1 (the rotator's format; the cluster's PKI is ECDSA). Its own CA, not
+    the cluster's: a webhook server that rotates its certificates keeps the CA
     key in a Secret, and the cluster CA's key signs the API server's identity.
     """
     dir.mkdir(parents=True, exist_ok=True)
     pki = WebhookPki(dir)
-    _ec_key(pki.ca_key)
+    _rsa_pkcs1_key(pki.ca_key)
     _openssl(
         "req", "-x509", "-new", "-key", str(pki.ca_key), "-out", str(pki.ca_crt),
         "-days", str(days), "-subj", f"/O=fleetserve dev cluster/CN={ca_name}",
@@ -156,7 +164,7 @@ def create_webhook_pki(dir: Path, *, ca_name: str, dns_name: str, days: int) -> 
         "-addext", f"subjectAltName=DNS:{ca_name}", cwd=dir,
     )  # fmt: skip
     csr, ext = dir / "tls.csr", dir / "tls.ext"
-    _ec_key(pki.tls_key)
+    _rsa_pkcs1_key(pki.tls_key)
     _openssl(
         "req", "-new", "-key", str(pki.tls_key), "-out", str(csr), "-subj", f"/CN={dns_name}",
         cwd=dir,
