@@ -10,6 +10,7 @@ both: what holds the second group back is Kueue, and it holds all of it.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,19 @@ def test_a_group_is_admitted_whole_or_holds_no_gpu(
         # nodes a deleted pod is never terminated (no kubelet ends it), so Kueue's
         # `kueue.x-k8s.io/managed` finalizer keeps it Running and its group's Workload admitted.
     finally:
+        env.kubectl("delete", "inferencedeployment", "--all", "-n", ns, "--wait=false")
+        # kwok never terminates a deleted pod, so Kueue's `kueue.x-k8s.io/managed` finalizer
+        # would keep the placed group Running on two whole nodes the later tests need.
+        for _ in range(50):
+            pods = (env.get("pod", ns) or {"items": []})["items"]
+            if not pods:
+                break
+            for pod in pods:
+                env.kubectl(
+                    "patch", "pod", pod["metadata"]["name"], "-n", ns, "--type=merge",
+                    "-p", '{"metadata": {"finalizers": null}}', check=False,
+                )  # fmt: skip
+            time.sleep(0.2)
         env.delete_namespace(ns)
         for kind, name in (("clusterqueue", ns), ("resourceflavor", f"{ns}-flavor")):
             env.kubectl("delete", kind, name, "--wait=false", check=False)
