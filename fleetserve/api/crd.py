@@ -32,6 +32,8 @@ _KEEP = (
     "minimum",
     "maximum",
     "minLength",
+    "maxLength",
+    "pattern",
     "x-kubernetes-validations",
 )
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 __all__ = [
     "ANNOTATION_DRAINING_SINCE",
     "ANNOTATION_DRAIN_REASON",
+    "ANNOTATION_KUEUE_POD_GROUP_SERVING",
+    "ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT",
     "ANNOTATION_TEMPLATE_HASH",
     "LABEL_COMPAT",
     "LABEL_DEPLOYMENT",
     "LABEL_DRAINING",
     "LABEL_GROUP",
+    "LABEL_KUEUE_POD_GROUP_NAME",
+    "LABEL_KUEUE_QUEUE_NAME",
     "LABEL_POD_INDEX",
     "LABEL_ROLE",
     "ROUTER_ROLE",
@@ -44,6 +48,18 @@ ANNOTATION_DRAINING_SINCE = "fleetserve.io/draining-since"
 lives here, so an operator that restarts resumes it, timeout included."""
 ANNOTATION_DRAIN_REASON = "fleetserve.io/drain-reason"
 """Group StatefulSets being drained: why, `scale-down` or `roll` (events and status say it)."""
+
+# Kueue's keys (its plain-pod integration), set on engine pods under gang admission
+# (`fleetserve.operator.gang`); the dev cluster scopes Kueue's pod webhooks by the queue label.
+LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+"""Engine pods under gang admission: the LocalQueue (`spec.scheduling.queueName`)."""
+LABEL_KUEUE_POD_GROUP_NAME = "kueue.x-k8s.io/pod-group-name"
+"""Engine pods under gang admission: their replica group's StatefulSet name (one Workload)."""
+ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+"""Engine pods under gang admission: the group's pod count, all admitted together."""
+ANNOTATION_KUEUE_POD_GROUP_SERVING = "kueue.x-k8s.io/pod-group-serving"
+"""Engine pods under gang admission: `true`, a group that never finishes and whose recreated
+pods rejoin it."""
 
 ROUTER_ROLE = "router"
 """The `LABEL_ROLE` value of the router Deployment and Service."""

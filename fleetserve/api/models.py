@@ -43,6 +43,7 @@ __all__ = [
     "RouterStatus",
     "ScaleDecision",
     "ScaleDecisionRole",
+    "Scheduling",
 ]
 
 GROUP = "fleetserve.io"
@@ -425,6 +426,52 @@ class Autoscaling(_Model):
         return self
 
 
+_QUEUE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+"""A LocalQueue name that is also a label value (Kueue reads it from a pod label)."""
+
+
+class Scheduling(_Model):
+    """How the cluster admits the deployment's replica groups."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(has(self.gangAdmission) && self.gangAdmission == 'kueue')"
+                    " == has(self.queueName)",
+                    "message": "scheduling.queueName (a Kueue LocalQueue in the deployment's"
+                    " namespace) is required with gangAdmission kueue, and only then",
+                },
+            ]
+        }
+    )
+
+    gang_admission: Literal["none", "kueue"] = Field(
+        default="none",
+        description="none: each pod goes to the scheduler as it is created; kueue: each"
+        " replica group is one Kueue pod group, admitted whole (all its pods get their GPUs)"
+        " or not at all (its pods wait, gated, holding nothing)",
+    )
+    queue_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=_QUEUE_NAME,
+        description="with gangAdmission kueue: the Kueue LocalQueue, in the deployment's"
+        " namespace, whose ClusterQueue's quota the groups are admitted against",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Scheduling:
+        if (self.gang_admission == "kueue") != (self.queue_name is not None):
+            raise ValueError(
+                "scheduling.queueName (a Kueue LocalQueue in the deployment's namespace) is"
+                f" required with gangAdmission kueue, and only then (gangAdmission"
+                f" {self.gang_admission!r}, queueName {self.queue_name!r})"
+            )
+        return self
+
+
 _TENSOR_TRANSFER = (
     "prefill and decode roles with tensor > 1 need kvTransfer.transferMode pull (push moves KV"
     " between tensor 1 roles only)"
@@ -484,6 +531,7 @@ class InferenceDeploymentSpec(_Model):
     roles: Roles
     router: RouterSpec = Field(default_factory=RouterSpec)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
 
     @model_validator(mode="after")
     def _check(self) -> InferenceDeploymentSpec:

@@ -16,6 +16,8 @@ from fleetserve.envs import read_env
 __all__ = [
     "ETCD_VERSION",
     "K8S_VERSION",
+    "KUEUE_BUILD_HINT",
+    "KUEUE_VERSION",
     "KWOK_VERSION",
     "Binaries",
     "default_bin_dir",
@@ -26,8 +28,12 @@ K8S_VERSION = "v1.36.1"
 """kube-apiserver, kube-controller-manager and kube-scheduler: kwok v0.8.0's own default release."""
 ETCD_VERSION = "v3.6.14"
 KWOK_VERSION = "v0.8.0"
+KUEUE_VERSION = "v0.17.0"
+"""Gang admission (`fleetserve dev-cluster up --kueue`). Built into the same folder, checked by
+its own version, so the folder's name (and the other binaries) do not depend on it."""
 
 BUILD_HINT = "run `make dev-cluster-bin` (bash hack/build-dev-cluster-bin.sh) to build them"
+KUEUE_BUILD_HINT = f"run `make dev-cluster-bin` (it builds Kueue {KUEUE_VERSION} too)"
 
 
 def default_bin_dir() -> Path:
@@ -79,8 +85,34 @@ class Binaries:
         """Multi-document YAML of kwok Stage objects (node-initialize, heartbeat, pod lifecycle)."""
         return self.bin_dir / "kwok-stages.yaml"
 
+    @property
+    def kueue(self) -> Path:
+        """The Kueue manager (its cmd/kueue); optional: only `up --kueue` runs it."""
+        return self.bin_dir / "kueue"
+
+    @property
+    def kueue_crds(self) -> Path:
+        """Multi-document YAML of Kueue's CRDs (its config/components/crd/bases)."""
+        return self.bin_dir / "kueue-crds.yaml"
+
+    @property
+    def kueue_webhooks(self) -> Path:
+        """Kueue's webhook configurations (its config/components/webhook/manifests.yaml)."""
+        return self.bin_dir / "kueue-webhooks.yaml"
+
+    def kueue_missing(self) -> list[Path]:
+        """Kueue's files that do not exist (empty when Kueue can run)."""
+        return [p for p in (self.kueue, self.kueue_crds, self.kueue_webhooks) if not p.exists()]
+
+    def require_kueue(self) -> None:
+        """Raises FileNotFoundError naming Kueue's missing files and how to build them."""
+        missing = self.kueue_missing()
+        if missing:
+            names = ", ".join(p.name for p in missing)
+            raise FileNotFoundError(f"Kueue missing in {self.bin_dir}: {names}; {KUEUE_BUILD_HINT}")
+
     def missing(self) -> list[Path]:
-        """Paths that do not exist (empty when the cluster can start)."""
+        """Paths that do not exist (empty when the cluster can start; Kueue is not needed)."""
         wanted = [
             self.etcd,
             self.kube_apiserver,

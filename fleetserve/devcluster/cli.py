@@ -30,6 +30,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         local_node_cpus=args.local_node_cpus,
         local_node_memory_gib=args.local_node_memory_gib,
         local_node_gpus=args.local_node_gpus,
+        kueue=args.kueue,
     )
     t0 = time.monotonic()
     try:
@@ -152,6 +153,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--local-node-gpus", type=int, default=0,
         help="nvidia.com/gpu the local node advertises, to run GPU pods here on the CPU (default: 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kueue", action=argparse.BooleanOptionalAction, default=False,
+        help="also run Kueue (gang admission; LocalQueue fleetserve in namespace default, quota"
+        " = the nodes' cpu, memory and GPUs; default: off)",
     )  # fmt: skip
     p.set_defaults(func=_cmd_up)
 

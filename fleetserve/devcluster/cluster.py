@@ -7,6 +7,7 @@ Lifecycle of `up`:
   3. kube-controller-manager, kube-scheduler, kwok and the local node agent, started together.
   4. The fake nodes are created; `up` returns once every node is Ready and the `default`
      ServiceAccount exists (pods are rejected before that).
+  5. With `kueue`, Kueue and its default queues (`fleetserve.devcluster.kueue`).
 Every started process is recorded in `<dir>/state.json` at once, so `down` can always clean up;
 a failing `up` runs `down` itself.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 import fleetserve
 from fleetserve.devcluster import kube
 from fleetserve.devcluster.binaries import Binaries, find_binaries
+from fleetserve.devcluster.kueue import start_kueue
 from fleetserve.devcluster.nodes import NodeTopology, build_fake_nodes
 from fleetserve.devcluster.pki import Pki, create_pki, write_kubeconfig
 from fleetserve.devcluster.pod_records import kill_recorded_pods
@@ -82,6 +84,9 @@ class ClusterConfig:
     unique_pod_ips: bool = False
     """Local pods get 127.<p // 256>.<p % 256>.N (p: the apiserver port) instead of 127.0.0.N,
     so test clusters running beside each other (or beside `up`'s) never share a pod address."""
+    kueue: bool = False
+    """Also run Kueue (gang admission of pod groups) with default queues sized from the nodes
+    (`fleetserve.devcluster.kueue`)."""
 
 
 def _etcd_argv(b: Binaries, d: Path, client_port: int, peer_port: int) -> list[str | Path]:
@@ -217,6 +222,8 @@ def up(cfg: ClusterConfig, *, log: bool = True) -> ClusterState:
         TimeoutError / RuntimeError: a component did not come up (the cluster is torn down).
     """
     binaries = find_binaries(cfg.bin_dir)
+    if cfg.kueue:
+        binaries.require_kueue()
     d = cfg.dir.resolve()
     previous = load_state(d)
     if previous is not None:
@@ -285,6 +292,11 @@ def up(cfg: ClusterConfig, *, log: bool = True) -> ClusterState:
             kube.wait_nodes_ready(api, names, timeout_s=cfg.timeout_s, alive=state.processes)
             say(f"{len(names)} nodes Ready")
             kube.wait_default_service_account(api, timeout_s=cfg.timeout_s, alive=state.processes)
+        if cfg.kueue:
+            state = start_kueue(
+                state, binaries, die_with_caller=cfg.die_with_caller, timeout_s=cfg.timeout_s
+            )
+            say("kueue ready (LocalQueue fleetserve in namespace default)")
         dead = [p.name for p in state.processes if not p.is_alive()]
         if dead:
             raise RuntimeError(f"exited during start: {dead}; see {state.logs_dir}")

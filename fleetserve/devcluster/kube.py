@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -12,7 +14,9 @@ from kubernetes.client.rest import ApiException
 from fleetserve.devcluster.processes import ProcessRecord, wait_for
 
 __all__ = [
+    "FIELD_MANAGER",
     "api_client",
+    "apply_manifest",
     "create_nodes",
     "is_node_ready",
     "node_readiness",
@@ -20,6 +24,54 @@ __all__ = [
     "wait_default_service_account",
     "wait_nodes_ready",
 ]
+
+
+FIELD_MANAGER = "fleetserve-dev-cluster"
+
+_PLURALS = {
+    "Namespace": ("namespaces", False),
+    "Secret": ("secrets", True),
+    "CustomResourceDefinition": ("customresourcedefinitions", False),
+    "MutatingWebhookConfiguration": ("mutatingwebhookconfigurations", False),
+    "ValidatingWebhookConfiguration": ("validatingwebhookconfigurations", False),
+    "ResourceFlavor": ("resourceflavors", False),
+    "ClusterQueue": ("clusterqueues", False),
+    "LocalQueue": ("localqueues", True),
+}
+"""The kinds the dev cluster applies from manifests: plural and whether namespaced."""
+
+
+def apply_manifest(
+    api: client.ApiClient, obj: dict[str, Any], *, dry_run: bool = False
+) -> dict[str, Any]:
+    """Server-side apply `obj` (a manifest of a kind in `_PLURALS`) as FIELD_MANAGER.
+
+    Raises:
+        ValueError: a kind not in `_PLURALS`.
+        ApiException: the API refused it.
+    """
+    kind = obj["kind"]
+    if kind not in _PLURALS:
+        raise ValueError(f"kind must be one of {sorted(_PLURALS)}, got {kind!r}")
+    plural, namespaced = _PLURALS[kind]
+    version = obj["apiVersion"]
+    prefix = "/api/v1" if version == "v1" else f"/apis/{version}"
+    meta = obj["metadata"]
+    ns = f"/namespaces/{quote(meta['namespace'])}" if namespaced else ""
+    query = f"fieldManager={FIELD_MANAGER}&force=true" + ("&dryRun=All" if dry_run else "")
+    path = f"{prefix}{ns}/{plural}/{quote(meta['name'])}?{query}"
+    headers = {"Accept": "application/json", "Content-Type": "application/apply-patch+yaml"}
+    # NOTE: through call_api, not the generated client, which validates dict bodies against
+    # its models (and has none for custom resources).
+    _, url, headers, _, _ = api.param_serialize(
+        "PATCH", path, header_params=headers, auth_settings=["BearerToken"]
+    )
+    resp = api.call_api("PATCH", url, header_params=headers, body=obj, _request_timeout=30)
+    resp.read()
+    if resp.status >= 300:
+        ApiException.from_response(http_resp=resp, body=None, data=None)
+    data = resp.data
+    return dict(json.loads(data)) if data else {}
 
 
 def api_client(kubeconfig: Path) -> client.ApiClient:

@@ -1,7 +1,8 @@
 """A throwaway PKI for one dev cluster, made with the `openssl` command, and kubeconfig files.
 
-Everything is ECDSA P-256: key generation is instant (RSA-2048 costs ~0.1-1 s per key on 2 busy
-cores) and kube-apiserver accepts ES256 service-account signing keys.
+The cluster's PKI is ECDSA P-256: key generation is instant (RSA-2048 costs ~0.1-1 s per key on
+2 busy cores) and kube-apiserver accepts ES256 service-account signing keys. Kueue's webhook PKI
+(`create_webhook_pki`, only with Kueue) is RSA, the one key type its certificate rotator reads.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["Pki", "create_pki", "write_kubeconfig"]
+__all__ = ["Pki", "WebhookPki", "create_pki", "create_webhook_pki", "write_kubeconfig"]
 
 _DAYS = "30"
 
@@ -70,6 +71,12 @@ def _ec_key(path: Path) -> None:
     )  # fmt: skip
 
 
+def _rsa_pkcs1_key(path: Path) -> None:
+    # `-traditional`: PKCS#1 ("RSA PRIVATE KEY"), the only form Kueue's certificate rotator
+    # (open-policy-agent/cert-controller) parses a CA key in.
+    _openssl("genrsa", "-traditional", "-out", str(path), "2048", cwd=path.parent)
+
+
 def _signed_cert(pki: Pki, name: str, subject: str, extensions: str) -> None:
     key, csr, crt = pki.dir / f"{name}.key", pki.dir / f"{name}.csr", pki.dir / f"{name}.crt"
     ext = pki.dir / f"{name}.ext"
@@ -111,6 +118,65 @@ def create_pki(dir: Path) -> Pki:
     )
     _ec_key(pki.sa_key)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=dir)
+    return pki
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookPki:
+    """A webhook server's own CA and serving certificate (`create_webhook_pki`), all PEM."""
+
+    dir: Path
+
+    @property
+    def ca_crt(self) -> Path:
+        return self.dir / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.dir / "ca.key"
+
+    @property
+    def tls_crt(self) -> Path:
+        return self.dir / "tls.crt"
+
+    @property
+    def tls_key(self) -> Path:
+        return self.dir / "tls.key"
+
+
+def create_webhook_pki(dir: Path, *, ca_name: str, dns_name: str, days: int) -> WebhookPki:
+    """Write a CA named `ca_name` (also its DNS SAN) and a serving cert for `dns_name` and
+    127.0.0.1 into `dir`, as `ca.crt`, `ca.key`, `tls.crt`, `tls.key` (a kubernetes.io/tls
+    Secret's keys, plus the CA's).
+
+    RSA keys in PKCS#1 (the rotator's format; the cluster's PKI is ECDSA). Its own CA, not
+    the cluster's: a webhook server that rotates its certificates keeps the CA
+    key in a Secret, and the cluster CA's key signs the API server's identity.
+    """
+    dir.mkdir(parents=True, exist_ok=True)
+    pki = WebhookPki(dir)
+    _rsa_pkcs1_key(pki.ca_key)
+    _openssl(
+        "req", "-x509", "-new", "-key", str(pki.ca_key), "-out", str(pki.ca_crt),
+        "-days", str(days), "-subj", f"/O=fleetserve dev cluster/CN={ca_name}",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,digitalSignature",
+        "-addext", f"subjectAltName=DNS:{ca_name}", cwd=dir,
+    )  # fmt: skip
+    csr, ext = dir / "tls.csr", dir / "tls.ext"
+    _rsa_pkcs1_key(pki.tls_key)
+    _openssl(
+        "req", "-new", "-key", str(pki.tls_key), "-out", str(csr), "-subj", f"/CN={dns_name}",
+        cwd=dir,
+    )  # fmt: skip
+    ext.write_text(f"subjectAltName=DNS:{dns_name},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(pki.ca_crt), "-CAkey", str(pki.ca_key),
+        "-CAcreateserial", "-days", str(days), "-out", str(pki.tls_crt), "-extfile", str(ext),
+        cwd=dir,
+    )  # fmt: skip
+    csr.unlink()
+    ext.unlink()
     return pki
 
 

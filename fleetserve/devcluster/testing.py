@@ -22,11 +22,12 @@ from kubernetes import client
 from fleetserve.devcluster import kube
 from fleetserve.devcluster.binaries import Binaries, find_binaries
 from fleetserve.devcluster.cluster import ClusterConfig, down, up
+from fleetserve.devcluster.kueue import start_kueue
 from fleetserve.devcluster.nodes import NodeTopology
 from fleetserve.devcluster.pki import write_kubeconfig
 from fleetserve.devcluster.state import ClusterState
 
-__all__ = ["DevCluster", "dev_cluster", "require_binaries"]
+__all__ = ["DevCluster", "dev_cluster", "kueue", "require_binaries"]
 
 _START_KEY = pytest.StashKey[float]()
 
@@ -112,6 +113,20 @@ def dev_cluster(
         yield DevCluster(state=state, start_s=start_s)
     finally:
         down(d)
+
+
+@pytest.fixture(scope="session")
+def kueue(dev_cluster: DevCluster) -> DevCluster:
+    """The session cluster with Kueue running (started on first use; it stops with the
+    cluster). No queues: each test makes its own ClusterQueue and LocalQueue. Skips, naming
+    the build command, when Kueue is not built."""
+    binaries = require_binaries()
+    try:
+        binaries.require_kueue()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    state = start_kueue(dev_cluster.state, binaries, die_with_caller=True, default_queues=False)
+    return DevCluster(state=state, start_s=dev_cluster.start_s)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -28,6 +28,7 @@ from fleetserve.api.labels import (
 from fleetserve.api.models import API_VERSION, KIND, InferenceDeploymentSpec, Role
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.envs import env_name
+from fleetserve.operator.gang import gang_pod_metadata
 from fleetserve.operator.placement import pack_affinity
 from fleetserve.operator.render import ENGINE_PORT, MODEL_MOUNT, engine_args, engine_env
 
@@ -197,7 +198,13 @@ def build_group_statefulset(
         pod_spec["tolerations"] = [dict(t) for t in role.tolerations]
     if role.gpus_per_pod:  # partial-node pods pack, keeping whole nodes free for large groups
         pod_spec["affinity"] = pack_affinity(owner.name, role_name)
-    template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+    gang_labels, gang_annotations = gang_pod_metadata(spec, role, name)  # one Kueue pod group
+    template: dict[str, Any] = {
+        "metadata": {"labels": {**pod_labels, **gang_labels}},
+        "spec": pod_spec,
+    }
+    if gang_annotations:
+        template["metadata"]["annotations"] = gang_annotations
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
     meta = owner.meta(name, labels)
     meta["annotations"] = {ANNOTATION_TEMPLATE_HASH: digest}

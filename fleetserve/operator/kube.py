@@ -35,6 +35,8 @@ _RESOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
         "InferenceDeployment": (f"/apis/{API_VERSION}", PLURAL),
         ROLE_KIND: (f"/apis/{API_VERSION}", ROLE_PLURAL),
+        # Kueue's record of a pod group (read only, under gang admission: fleetserve.operator.gang).
+        "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads"),
     }
 )
 

@@ -34,6 +34,13 @@ from fleetserve.operator.builders import (
 from fleetserve.operator.diff import is_subset
 from fleetserve.operator.drain import DRAIN_POLL_S
 from fleetserve.operator.errors import SpecProblem, spec_problem
+from fleetserve.operator.gang import (
+    ADMISSION_POLL_S,
+    admission_condition,
+    admission_waits,
+    uses_kueue,
+    waiting_pod_groups,
+)
 from fleetserve.operator.kube import Kube
 from fleetserve.operator.placement import read_placement
 from fleetserve.operator.rollout import converge_groups
@@ -188,7 +195,8 @@ def _converge(
     previous = body.get("status") or {}
     # Where the scheduler stands with the group pods: larger pods are created first, and the
     # status names groups it cannot place (fleetserve.operator.placement).
-    placement = read_placement(kube.list("Pod", owner.namespace, f"{selector},{LABEL_GROUP}"))
+    pods = kube.list("Pod", owner.namespace, f"{selector},{LABEL_GROUP}")
+    placement = read_placement(pods)
     groups = converge_groups(
         kube, spec, owner, live, replicas, _parse_time(now), placement=placement
     )
@@ -233,6 +241,17 @@ def _converge(
     if groups.placement is not None:
         (placed,) = merge_conditions(previous.get("conditions", []), [groups.placement], now)
         status["conditions"].append(placed.model_dump(by_alias=True, exclude_none=True))
+    if uses_kueue(spec):
+        queue = str(spec.scheduling.queue_name)
+        waits = admission_waits(pods, _workloads(kube, owner.namespace, waiting_pod_groups(pods)))
+        (admitted,) = merge_conditions(
+            previous.get("conditions", []), [admission_condition(queue, waits)], now
+        )
+        status["conditions"].append(admitted.model_dump(by_alias=True, exclude_none=True))
+        if waits:  # Kueue's admission and its reasons change no pod: look again soon
+            result.requeue_after_s = min(
+                result.requeue_after_s or ADMISSION_POLL_S, ADMISSION_POLL_S
+            )
     written = _write_status(kube, body, status, result, drop_other_roles=True)
     if written and status["phase"] != previous.get("phase"):
         result.events.append(("Normal", "Phase", f"phase {status['phase']}"))
@@ -242,6 +261,15 @@ def _converge(
         and _condition(status, "TransferReady") != _condition(previous, "TransferReady")
     ):
         result.events.append(("Warning", "TransferRequirementsUnmet", "; ".join(warnings)))
+    waiting_now, waiting_before = (
+        _condition(status, "AwaitingAdmission"),
+        _condition(previous, "AwaitingAdmission"),
+    )
+    if written and waiting_now is not None and waiting_now != waiting_before:
+        if waiting_now[0] == "True":
+            result.events.append(("Warning", "AwaitingAdmission", waiting_now[1]))
+        elif waiting_before is not None and waiting_before[0] == "True":
+            result.events.append(("Normal", "Admitted", waiting_now[1]))
     placed_now, placed_before = (
         _condition(status, "Unschedulable"),
         _condition(previous, "Unschedulable"),
@@ -275,6 +303,23 @@ def _cluster_facts(kube: Kube, spec: InferenceDeploymentSpec, namespace: str) ->
         else None
     )
     return cluster_facts(ns, nodes)
+
+
+def _workloads(
+    kube: Kube, namespace: str, names: list[str]
+) -> dict[str, dict[str, Any] | None] | None:
+    """Kueue's Workloads of the waiting pod groups by name (None: not made yet); None when
+    the operator may not read them. Read one by one: only groups that wait are asked for, and
+    a GET of a missing kind (Kueue not installed) reads as None rather than failing."""
+    workloads: dict[str, dict[str, Any] | None] = {}
+    for name in names:
+        try:
+            workloads[name] = kube.get("Workload", namespace, name)
+        except ApiException as exc:
+            if exc.status in (401, 403):
+                return None
+            raise
+    return workloads
 
 
 def _readable(read: Callable[[], _T]) -> _T | None:
