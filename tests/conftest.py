@@ -68,10 +68,15 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
 
     Every k8s-marked test shares one worker: they share the session's one dev cluster, and two
     control planes at once would only slow both. Every other module stays whole on one worker, so
-    its module-scoped engines start once, not once per worker.
+    its module-scoped engines start once, not once per worker; a module that sets `XDIST_GROUP`
+    shares a worker with the other modules that set the same name (they bind the same fixed
+    addresses, e.g. the pod IPs a multi-pod group rendezvous on).
     """
     for item in items:
-        group = "k8s" if "k8s" in item.keywords else item.nodeid.split("::", 1)[0]
+        module = getattr(item, "module", None)
+        group = getattr(module, "XDIST_GROUP", None) or item.nodeid.split("::", 1)[0]
+        if "k8s" in item.keywords:
+            group = "k8s"
         item.add_marker(pytest.mark.xdist_group(group))
 
 

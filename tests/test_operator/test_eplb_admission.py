@@ -13,11 +13,13 @@ from fleetserve.api.crd import crd_manifest
 from fleetserve.api.models import InferenceDeploymentSpec
 
 
-def _spec(decode: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "model": {"name": "m", "source": {"uri": "/m"}, "moe": True},
-        "roles": {"prefill": {}, "decode": decode},
-    }
+def _spec(role: dict[str, Any]) -> dict[str, Any]:
+    """The role as decode of a P/D pair; as the unified role when it has data ranks (data
+    parallel runs only there, issue 16)."""
+    model = {"name": "m", "source": {"uri": "/m"}, "moe": True}
+    if role.get("parallelism", {}).get("data", 1) > 1:
+        return {"model": model, "kvTransfer": {"connector": "none"}, "roles": {"unified": role}}
+    return {"model": model, "roles": {"prefill": {}, "decode": role}}
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,14 @@ def test_both_ranks_end_every_wave_together_when_idle(
     llm, background = engine
 
     async def scenario() -> tuple[list[int], list[int]]:
+        # One wave of its own, so the test does not lean on the one before it in the module;
+        # each rank's end-of-wave report may come a little after the request's last token.
+        started = list(llm.waves_completed)
+        await _tokens(llm.generate("one-wave", PROMPTS[0], PARAMS))
+        deadline = time.monotonic() + 10.0
+        while min(llm.waves_completed) <= max(started) or len(set(llm.waves_completed)) != 1:
+            assert time.monotonic() < deadline, f"no common wave end: {llm.waves_completed}"
+            await asyncio.sleep(0.02)
         await _idle(llm)
         before = list(llm.waves_completed)
         await asyncio.sleep(1.0)  # idle: no wave starts, nobody steps

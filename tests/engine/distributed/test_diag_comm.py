@@ -17,6 +17,9 @@ from fleetserve.engine.distributed.diag_comm import CAUSES, LAYERS
 from tests.engine.distributed.test_multipod import POD_IPS, group_spec, pod_commands
 
 pytestmark = [pytest.mark.slow]
+# NOTE: the pod IPs and ports are fixed (as the operator renders them): the modules that use
+# them share one worker under `pytest -n` (tests/conftest.py).
+XDIST_GROUP = "pod-ips"
 
 DIAG = [sys.executable, "-m", "fleetserve", "diag", "comm", "--json"]
 
