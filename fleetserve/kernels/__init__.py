@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "fused_moe",
     "is_interpreter",
+    "lora_delta_triton",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -27,6 +28,7 @@ __all__ = [
 _MODULE_OF: MappingProxyType[str, str] = MappingProxyType(
     {
         "fused_moe": "fused_moe",
+        "lora_delta_triton": "lora",
         "paged_attention": "paged_attention",
         "reshape_and_cache": "reshape_and_cache",
         "rms_norm": "rms_norm",

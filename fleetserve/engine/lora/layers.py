@@ -29,7 +29,9 @@ class LoRAStepState:
     `active` is False for a step with only base-model tokens, which then skips the LoRA term.
     With `segmented` (the default on the CPU) the layers use `segments` instead: per active
     slot, the indices of its tokens, so each token pays for its own adapter only
-    (`ops.lora_delta_segmented`); otherwise the shape-static `ops.lora_delta` (CUDA).
+    (`ops.lora_delta_segmented`); otherwise the shape-static batched matmul (CUDA): with
+    `use_triton` (the default on CUDA) the kernel `fleetserve.kernels.lora`, which reads each
+    token's own slot, else the masked torch `ops.lora_delta` (the fallback and the reference).
     """
 
     def __init__(
@@ -44,6 +46,8 @@ class LoRAStepState:
         self.slot_ids = torch.arange(num_slots, dtype=torch.int64, device=device)
         self.active = False
         self.segmented = device.type == "cpu" if segmented is None else segmented
+        self.use_triton = device.type == "cuda"
+        """Whether the unsegmented path runs the Triton kernel (else the masked torch one)."""
         self.segments: list[tuple[int, torch.Tensor]] = []
         """(slot, token indices) of the step's slots, when `segmented`."""
 
@@ -158,4 +162,8 @@ class LoRALinear(nn.Module):
                 )
             return out
         slots = self.state.token_slots[: x.shape[0]]
+        if self.state.use_triton:
+            from fleetserve.kernels.lora import lora_delta_triton
+
+            return out + lora_delta_triton(x, self.lora_a, self.lora_b, slots)
         return out + lora_delta(x, self.lora_a, self.lora_b, slots, self.state.slot_ids)
