@@ -17,9 +17,10 @@ from fleetserve.engine.distributed.diag_comm import CAUSES, LAYERS
 from tests.engine.distributed.test_multipod import POD_IPS, group_spec, pod_commands
 
 pytestmark = [pytest.mark.slow]
-# NOTE: the pod IPs and ports are fixed (as the operator renders them): the modules that use
-# them share one worker under `pytest -n` (tests/conftest.py).
-XDIST_GROUP = "pod-ips"
+# NOTE: the pods bind fixed ports (8000, 29500, as the operator renders them), as the dev
+# cluster's local pods do: under `pytest -n` these modules run on the k8s tests' worker, never
+# beside them (tests/conftest.py).
+XDIST_GROUP = "k8s"
 
 DIAG = [sys.executable, "-m", "fleetserve", "diag", "comm", "--json"]
 

@@ -34,9 +34,10 @@ from fleetserve.operator.builders import Owner, build_group_statefulset
 from fleetserve.operator.render import ENGINE_PORT
 
 pytestmark = [pytest.mark.slow]
-# NOTE: the pod IPs and ports are fixed (as the operator renders them): the modules that use
-# them share one worker under `pytest -n` (tests/conftest.py).
-XDIST_GROUP = "pod-ips"
+# NOTE: the pods bind fixed ports (8000, 29500, as the operator renders them), as the dev
+# cluster's local pods do: under `pytest -n` these modules run on the k8s tests' worker, never
+# beside them (tests/conftest.py).
+XDIST_GROUP = "k8s"
 
 OWNER = Owner(name="tiny", namespace="ns", uid="u-1")
 POD_IPS = ("127.0.86.1", "127.0.86.2")
