@@ -70,8 +70,8 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
     control planes at once would only slow both. Every other module stays whole on one worker, so
     its module-scoped engines start once, not once per worker; a module that sets `XDIST_GROUP`
     shares a worker with the other modules that set the same name (they bind the same fixed
-    fixed ports, e.g. the multi-pod groups' engine and rendezvous ports, which the dev cluster's
-    local pods use too: those modules name "k8s").
+    ports, e.g. the multi-pod groups' engine and rendezvous ports, which the dev cluster's local
+    pods use too: those modules name "k8s").
     """
     for item in items:
         module = getattr(item, "module", None)
