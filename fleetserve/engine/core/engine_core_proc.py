@@ -407,7 +407,10 @@ class _EngineLoop:
         )
         self.rejected, self.failed_adds = {}, []
         self.stats_dirty = False
-        data = self.encoder.encode(message)
+        self._send_encoded(self.encoder.encode(message))
+
+    def _send_encoded(self, data: Any) -> None:
+        """Send one encoded message to the API server, however long it takes it to read."""
         while True:
             try:
                 self.output_socket.send(data, zmq.NOBLOCK)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import zmq
 
 from fleetserve.engine.core.engine_core import EngineCore
-from fleetserve.engine.core.engine_core_proc import IDLE_POLL_MS, SEND_POLL_MS, _EngineLoop
+from fleetserve.engine.core.engine_core_proc import IDLE_POLL_MS, _EngineLoop
 from fleetserve.engine.core.messages import DPWaveMessage
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.distributed.data_parallel import DPCoreSpec
@@ -184,16 +184,9 @@ class LockstepLoop(_EngineLoop):
             self.executor.ensure_forward()
 
     def _send_wave(self, kind: str, wave: int, dummy_steps: int = 0) -> None:
-        data = self.encoder.encode(DPWaveMessage(kind=kind, wave=wave, dummy_steps=dummy_steps))
-        while True:
-            try:
-                self.output_socket.send(data, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
-            # NOTE: as `_send`: wait for a slow API server, never past its death.
-            self._check_parent()
-            self.output_socket.poll(SEND_POLL_MS, zmq.POLLOUT)
+        self._send_encoded(
+            self.encoder.encode(DPWaveMessage(kind=kind, wave=wave, dummy_steps=dummy_steps))
+        )
 
 
 class Lockstep:
