@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetserve.engine.layers.gemm import DenseGemm
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import CheckpointTensor, copy_checked
 
@@ -67,11 +68,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection: hidden [n, hidden] → float32 logits [n, vocab_size] on every rank."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, context: LayerContext) -> None:
+        super().__init__(vocab_size, hidden_size, context)
+        self.gemm = DenseGemm(context.device, context.dtype)
+
+    def prepack(self) -> None:
+        """After loading (or tying): ready the weight for the device's GEMM."""
+        self.gemm.prepack(self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("ParallelLMHead computes logits with compute_logits(), not forward()")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = self.gemm(hidden_states, self.weight, None)
         if self.tp_group is not None:
             logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

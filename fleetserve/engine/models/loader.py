@@ -25,6 +25,7 @@ from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.layers.attention.selector import select_attention_backend
 from fleetserve.engine.layers.fused_moe.selector import select_moe_backend
 from fleetserve.engine.layers.layer_context import LayerContext
+from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.registry import resolve_model_class
@@ -164,8 +165,7 @@ def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> 
         assign_quant_methods(model, config.quantization, context.dtype, context.device)
     if config.model.load_format == "dummy":
         initialize_dummy_weights(model, config.model.seed)
-        finish_quantization(model)
-        return model.eval()
+        return _finish_loading(model)
     loaded = model.load_weights(iterate_weights(config.model.model, context.dtype))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if "lm_head.weight" in expected - loaded and "model.embed_tokens.weight" in loaded:
@@ -177,7 +177,16 @@ def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> 
             f"checkpoint in {config.model.model!r} lacks parameters: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    return _finish_loading(model)
+
+
+def _finish_loading(model: CausalLM) -> CausalLM:
+    """The weights are final: quant methods turn them into what they apply (and unquantized
+    layers prepack them for the CPU GEMM), LM heads prepack theirs."""
     finish_quantization(model)
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.prepack()
     return model.eval()
 
 

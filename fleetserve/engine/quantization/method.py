@@ -2,8 +2,7 @@
 to finish them after loading and to apply them.
 
 `UnquantizedLinearMethod` is every layer's default: one `weight` parameter [out, in] in the
-engine dtype and `F.linear`, exactly the layer's computation before methods existed. A method
-registers the parameters the checkpoint (or online quantization) provides under the layer;
+engine dtype and the device's dense GEMM (`fleetserve.engine.layers.gemm`). A method registers the parameters the checkpoint (or online quantization) provides under the layer;
 the layer's sharded `load_weight` fills them by name, so a method's parameters must keep the
 weight's row order (output rows on dim 0) and may pack the input dim by a whole factor.
 """
@@ -14,8 +13,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from fleetserve.engine.layers.gemm import DenseGemm
 
 if TYPE_CHECKING:
     from fleetserve.engine.layers.linear import Linear
@@ -43,15 +43,23 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The engine dtype's weight and `F.linear` (bit-identical to the layer without methods)."""
+    """The engine dtype's weight and the device's dense GEMM (`fleetserve.engine.layers.gemm`:
+    oneDNN on the CPU, `F.linear` elsewhere)."""
+
+    def __init__(self) -> None:
+        self.gemm = DenseGemm(torch.device("cpu"), torch.float32)
 
     def create_weights(self, layer: Linear, dtype: torch.dtype, device: torch.device) -> None:
         # NOTE: torch.empty, not nn.Linear: random init of a multi-GB model is pure waste.
         weight = torch.empty((layer.output_size, layer.input_size), dtype=dtype, device=device)
         replace_parameter(layer, "weight", weight)
+        self.gemm = DenseGemm(device, dtype)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.gemm.prepack(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.gemm(x, layer.weight, bias)
 
 
 def replace_parameter(layer: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -10,8 +10,8 @@
 //
 // Work is split over (query row, kv head) pairs with at::parallel_for (torch's thread pool, so
 // torch.set_num_threads governs it). A pair reads its kv head's keys and values once for all the
-// query heads that share it (GQA), block by block straight from the cache, with an online
-// softmax in float32: no gathered K/V, no padding to the longest sequence, no mask.
+// query heads that share it (GQA), block by block straight from the cache, with the softmax in
+// float32: no gathered K/V, no padding to the longest sequence, no mask.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,6 +33,107 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the row max), in a form the compiler vectorizes
+// (no libm call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative
+// error below 2e-7, about one float ulp), 2^n by building the exponent bits. Inputs below -87
+// are clamped there (exp = 1.6e-38, negligible next to the max's 1; it keeps 2^n normal).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One (query row, kv head) item: the `group` query heads that share kv head `kvh` attend over
+// the row's first kv_len cached positions. Two passes over the blocks, not an online softmax:
+// every logit first (each key row read once for the whole group), then one max and exp per
+// head over the contiguous logits (vectorized), then every value row read once and added to
+// the group's accumulators. `logits` holds group × kv_len floats.
+// Ask for one block's rows of one kv head (n tokens × D values, token_stride apart) ahead of
+// use: blocks are scattered over a cache far larger than the CPU's caches, so without this each
+// row waits on a DRAM miss the hardware prefetcher cannot predict.
+template <typename T>
+inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride, int64_t D) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(rows + t * token_stride + d);
+  }
+}
+
+// kHeadSize > 0 fixes D at compile time (fully unrolled dot products and updates for the common
+// head sizes); 0 takes D at run time.
+template <typename T, int64_t kHeadSize>
+void attend_item(const float* qf, const T* key_cache, const T* value_cache, int64_t block_stride,
+                 int64_t token_stride, const int32_t* blocks, int64_t kv_len, int64_t group,
+                 int64_t head_size, int64_t block_size, float* logits, float* acc) {
+  const int64_t D = kHeadSize > 0 ? kHeadSize : head_size;
+  const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
+  const auto rows_of = [&](const T* cache, int64_t b) { return cache + blocks[b] * block_stride; };
+  const auto tokens_in = [&](int64_t b) { return std::min(block_size, kv_len - b * block_size); };
+  prefetch_block(rows_of(key_cache, 0), tokens_in(0), token_stride, D);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * block_size, n = tokens_in(b);
+    const T* kb = rows_of(key_cache, b);
+    if (b + 1 < num_blocks) {
+      prefetch_block(rows_of(key_cache, b + 1), tokens_in(b + 1), token_stride, D);
+    } else {
+      prefetch_block(rows_of(value_cache, 0), tokens_in(0), token_stride, D);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = kb + t * token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(k[d]);
+        logits[g * kv_len + start + t] = dot;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = logits + g * kv_len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < kv_len; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < kv_len; ++i) {
+      s[i] = exp_nonpositive(s[i] - m);
+      sum += s[i];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < kv_len; ++i) s[i] *= inv;
+  }
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * block_size, n = tokens_in(b);
+    const T* vb = rows_of(value_cache, b);
+    if (b + 1 < num_blocks) {
+      prefetch_block(rows_of(value_cache, b + 1), tokens_in(b + 1), token_stride, D);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = vb + t * token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = logits[g * kv_len + start + t];
+        float* a = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
+      }
+    }
+  }
+}
+
 template <typename T>
 void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const T* key_cache,
                  const T* value_cache, int64_t block_stride, int64_t token_stride,
@@ -43,9 +144,10 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
                  int64_t block_size, float scale, int64_t max_query_len) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
+  const int64_t max_seq_len =
+      num_reqs == 0 ? 0 : *std::max_element(seq_lens, seq_lens + num_reqs);
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), scores(group * block_size);
-    std::vector<float> row_max(group), row_sum(group);
+    std::vector<float> qf(group * D), acc(group * D), logits(group * max_seq_len);
     int64_t req = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tok = item / num_kv_heads;
@@ -60,52 +162,19 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
       const int64_t row = tok - query_start_loc[req];
       // Causal: this row sees every cached position up to and including its own.
       const int64_t kv_len = seq_lens[req] - query_len + row + 1;
-      const int32_t* blocks = block_table + req * block_table_stride;
       for (int64_t g = 0; g < group; ++g) {
         const T* qh = q + tok * q_stride_tok + (kvh * group + g) * q_stride_head;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * scale;
-        row_max[g] = -std::numeric_limits<float>::infinity();
-        row_sum[g] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < kv_len; start += block_size) {
-        const int64_t n = std::min(block_size, kv_len - start);
-        const int64_t block = blocks[start / block_size];
-        const T* kb = key_cache + block * block_stride + kvh * D;
-        const T* vb = value_cache + block * block_stride + kvh * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * D;
-          float* s = scores.data() + g * block_size;
-          float m = row_max[g];
-          for (int64_t t = 0; t < n; ++t) {
-            const T* k = kb + t * token_stride;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(k[d]);
-            s[t] = dot;
-            m = std::max(m, dot);
-          }
-          const float correction = std::exp(row_max[g] - m);
-          float* a = acc.data() + g * D;
-          float sum = row_sum[g] * correction;
-          if (correction != 1.f) {
-            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-          }
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = std::exp(s[t] - m);
-            sum += p;
-            const T* v = vb + t * token_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
-          }
-          row_max[g] = m;
-          row_sum[g] = sum;
-        }
-      }
+      const auto attend = D == 64    ? attend_item<T, 64>
+                          : D == 128 ? attend_item<T, 128>
+                                     : attend_item<T, 0>;
+      attend(qf.data(), key_cache + kvh * D, value_cache + kvh * D, block_stride, token_stride,
+             block_table + req * block_table_stride, kv_len, group, D, block_size,
+             logits.data(), acc.data());
       for (int64_t g = 0; g < group; ++g) {
         T* o = out + tok * out_stride_tok + (kvh * group + g) * out_stride_head;
-        const float inv = 1.f / row_sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
       }
     }
   });

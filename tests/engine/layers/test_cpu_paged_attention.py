@@ -1,7 +1,7 @@
 """The fused CPU paged attention against the torch reference backend and the float64 oracle.
 
 Odd shapes on purpose: partial last blocks, GQA groups of 1/3/4, a block size that is not a
-power of two's usual 16, head sizes 32/64/80, scattered (non-contiguous) block ids, and steps that
+power of two's usual 16, head sizes 32/64/80/128 (64 and 128 have compiled-in variants), scattered (non-contiguous) block ids, and steps that
 mix chunked prefill rows with decodes; plus the KV write (exact) and the selector's fallback.
 """
 
@@ -71,6 +71,7 @@ CASES = [
     ([5, 1, 1, 9, 1], [0, 30, 7, 12, 64], 9, 3, 64, 16),  # chunked prefill mixed with decodes
     ([3, 1, 2], [5, 6, 0], 4, 4, 80, 5),  # MHA, odd block and head size
     ([1, 17], [33, 3], 8, 1, 32, 8),  # MQA (one kv head), a long chunk
+    ([1, 2, 1], [20, 3, 130], 8, 2, 128, 16),  # head size 128 (its compiled-in variant)
 ]
 
 

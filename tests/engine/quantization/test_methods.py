@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fleetserve.engine.layers.gemm import DenseGemm
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from fleetserve.engine.quantization.compressed_tensors import PackedIntMethod, unpack_int32
@@ -31,13 +32,16 @@ def _layer(weight: torch.Tensor, bias: bool = False) -> Linear:
     return layer
 
 
-def test_unquantized_default_is_f_linear_bit_for_bit() -> None:
+def test_unquantized_default_is_the_dense_gemm_bit_for_bit() -> None:
     torch.manual_seed(0)
     layer = _layer(torch.randn(48, 64), bias=True)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
     x = torch.randn(5, 64)
     assert layer.bias is not None
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    dense = DenseGemm(CPU, torch.float32)
+    assert torch.equal(layer(x), dense(x, layer.weight, layer.bias))
+    layer.quant_method.process_weights_after_loading(layer)  # prepacked: the same products
+    assert torch.equal(layer(x), dense(x, layer.weight, layer.bias))
 
 
 def test_int8_weight_only_matches_the_dequantized_reference() -> None:
