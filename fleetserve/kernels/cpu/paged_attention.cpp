@@ -166,7 +166,8 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
         const T* qh = q + tok * q_stride_tok + (kvh * group + g) * q_stride_head;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * scale;
       }
-      const auto attend = D == 64    ? attend_item<T, 64>
+      const auto attend = D == 32    ? attend_item<T, 32>
+                          : D == 64  ? attend_item<T, 64>
                           : D == 128 ? attend_item<T, 128>
                                      : attend_item<T, 0>;
       attend(qf.data(), key_cache + kvh * D, value_cache + kvh * D, block_stride, token_stride,

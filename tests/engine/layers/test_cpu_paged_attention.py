@@ -1,7 +1,7 @@
 """The fused CPU paged attention against the torch reference backend and the float64 oracle.
 
 Odd shapes on purpose: partial last blocks, GQA groups of 1/3/4, a block size that is not a
-power of two's usual 16, head sizes 32/64/80/128 (64 and 128 have compiled-in variants), scattered (non-contiguous) block ids, and steps that
+power of two's usual 16, head sizes 32/64/80/128 (32, 64 and 128 have compiled-in variants), scattered (non-contiguous) block ids, and steps that
 mix chunked prefill rows with decodes; plus the KV write (exact) and the selector's fallback.
 """
 
