@@ -33,6 +33,27 @@ class Roofline:
         compute = 2 * weight_count * tokens / (self.gemm_gflop_s * 1e9)
         return max(read, compute)
 
+    def serving_seconds(
+        self,
+        weight_bytes: int,
+        weight_count: int,
+        tokens: int,
+        num_requests: int,
+        concurrency: int,
+        output_len: int,
+    ) -> float:
+        """The fastest possible time to serve `num_requests` requests of `output_len` tokens at
+        most `concurrency` at a time, `tokens` prompt + output tokens in all: every token
+        multiplies through the weights once (GEMM-bound), and each of at least
+        ceil(num_requests / concurrency) × (output_len - 1) decode steps reads every weight
+        (bandwidth-bound; the first output token comes from the prefill). Attention is not
+        counted, so this bound is below what any engine can reach."""
+        gemm = 2 * weight_count * tokens / (self.gemm_gflop_s * 1e9)
+        waves = -(-num_requests // concurrency)
+        steps = waves * max(output_len - 1, 0)
+        read = steps * weight_bytes / (self.bandwidth_gb_s * 1e9)
+        return max(gemm, read)
+
     def describe(self) -> str:
         return (
             f"roofline probes: copy bandwidth {self.bandwidth_gb_s:.1f} GB/s, "

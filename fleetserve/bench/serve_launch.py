@@ -3,8 +3,11 @@
 Each engine serves the same model on a free loopback port, one after the other (never both at
 once: they would share the CPU), and gets the same requests at each `--max-concurrency`. The
 table prints, per concurrency, output tokens/s, median TTFT and median ITL of each engine and
-fleetserve's ratio to each other engine (throughput: higher is better; latencies: lower is).
-vLLM runs from a side virtual environment (`--vllm-python`) with a 1 GiB KV cache.
+fleetserve's ratio to each other engine (throughput: higher is better; latencies: lower is),
+and each run's fraction of this machine's roofline: the fastest possible time for its requests
+(`Roofline.serving_seconds`, from a bandwidth and a GEMM probe run before any server starts) over
+the time it took. vLLM runs from a side virtual environment (`--vllm-python`) with a 1 GiB KV
+cache.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,8 @@ class Row:
     output_throughput: float
     median_ttft_ms: float
     median_itl_ms: float
+    roofline_fraction: float | None = None
+    """The roofline's time for this run's requests over the time they took (None: not measured)."""
 
 
 def _free_port() -> int:
@@ -97,6 +103,7 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
     from fleetserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
+    bound = _serving_bound(model, args.launch_dtype)
     concurrencies = [int(c) for c in str(args.launch_concurrency).split(",") if c.strip()]
     # NOTE: every round (a warm-up, then the measured requests, per concurrency) has prompts of
     # its own seed, so that no measured prompt is a prefix-cache hit left by an earlier round
@@ -134,9 +141,12 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
                 summary = summarize(results, duration_s, [50.0], {})
                 if summary.failed:
                     raise RuntimeError(f"{engine}: {summary.failed} requests failed; log: {log}")
+                tokens = summary.total_input_tokens + summary.total_output_tokens
+                fastest_s = bound(tokens, summary.completed, concurrency, args.output_len)
                 rows.append(
                     Row(engine, concurrency, summary.output_throughput,
-                        summary.stats_ms["ttft"]["median"], summary.stats_ms["itl"]["median"])
+                        summary.stats_ms["ttft"]["median"], summary.stats_ms["itl"]["median"],
+                        fastest_s / summary.duration_s)
                 )  # fmt: skip
                 print(format_rows([rows[-1]]), flush=True)
         finally:
@@ -144,11 +154,30 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
     return rows
 
 
+def _serving_bound(model: str, dtype: str) -> Callable[[int, int, int, int], float]:
+    """(tokens, requests, concurrency, output_len) → the roofline's seconds for `model`'s
+    weights in `dtype` on this CPU, probed now (before any server runs)."""
+    import torch
+
+    from fleetserve.bench.offline import multiplied_weights
+    from fleetserve.bench.roofline import measure_roofline
+    from fleetserve.engine.config import load_hf_config
+
+    torch_dtype = getattr(torch, dtype)
+    roofline = measure_roofline(torch.device("cpu"), torch_dtype)
+    print(roofline.describe(), flush=True)
+    weights = multiplied_weights(load_hf_config(model))
+    weight_bytes = weights * torch.empty((), dtype=torch_dtype).element_size()
+    return lambda tokens, requests, concurrency, output_len: roofline.serving_seconds(
+        weight_bytes, weights, tokens, requests, concurrency, output_len
+    )
+
+
 def format_rows(rows: list[Row]) -> str:
     """One line per row; fleetserve's ratio to the other engines at the same concurrency."""
     lines = [
         f"{'engine':<12}{'conc':>6}{'out tok/s':>11}{'TTFT ms':>10}{'ITL ms':>9}"
-        f"{'fs tok/s ×':>12}{'fs TTFT ×':>11}{'fs ITL ×':>10}"
+        f"{'roofline':>10}{'fs tok/s ×':>12}{'fs TTFT ×':>11}{'fs ITL ×':>10}"
     ]
     ours = {r.concurrency: r for r in rows if r.engine == "fleetserve"}
     for r in rows:
@@ -161,9 +190,10 @@ def format_rows(rows: list[Row]) -> str:
                 f"{base.median_ttft_ms / r.median_ttft_ms:>11.2f}"
                 f"{base.median_itl_ms / r.median_itl_ms:>10.2f}"
             )
+        fraction = "-" if r.roofline_fraction is None else f"{100 * r.roofline_fraction:.1f}%"
         lines.append(
             f"{r.engine:<12}{r.concurrency:>6}{r.output_throughput:>11.1f}"
-            f"{r.median_ttft_ms:>10.1f}{r.median_itl_ms:>9.1f}{ratios}"
+            f"{r.median_ttft_ms:>10.1f}{r.median_itl_ms:>9.1f}{fraction:>10}{ratios}"
         )
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ def test_vllm_without_a_side_venv_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_table_gives_fleetserve_ratios_per_concurrency() -> None:
     rows = [
-        Row("fleetserve", 16, 300.0, 80.0, 50.0),
+        Row("fleetserve", 16, 300.0, 80.0, 50.0, 0.25),
         Row("fleetserve", 32, 400.0, 120.0, 70.0),
         Row("vllm", 16, 200.0, 100.0, 100.0),
         Row("vllm", 32, 500.0, 60.0, 70.0),
@@ -44,4 +44,16 @@ def test_table_gives_fleetserve_ratios_per_concurrency() -> None:
     lines = format_rows(rows).splitlines()
     assert lines[3].split()[-3:] == ["1.50", "0.80", "0.50"]
     assert lines[4].split()[-3:] == ["0.80", "2.00", "1.00"]
-    assert len(lines[1].split()) == 5  # fleetserve's own rows carry no ratio
+    assert lines[1].split() == ["fleetserve", "16", "300.0", "80.0", "50.0", "25.0%"]
+    assert lines[2].split()[-1] == "-"  # no roofline measured; fleetserve's rows carry no ratio
+
+
+def test_serving_roofline_is_the_slower_of_compute_and_weight_reads() -> None:
+    from fleetserve.bench.roofline import Roofline
+
+    roofline = Roofline(bandwidth_gb_s=10.0, gemm_gflop_s=100.0)
+    # 1e8 weights (4e8 bytes): each decode step reads them in 0.04 s.
+    compute = roofline.serving_seconds(400_000_000, 100_000_000, 50_000, 32, 16, 5)
+    assert compute == pytest.approx(2 * 1e8 * 50_000 / 1e11)  # 100 s of GEMM > 2 × 4 × 0.04 s
+    reads = roofline.serving_seconds(400_000_000, 100_000_000, 10, 32, 16, 65)
+    assert reads == pytest.approx(2 * 64 * 0.04)  # two waves of 64 decode steps
