@@ -89,6 +89,12 @@ def run_fleetserve_o0(model: str, workload: Workload, args: argparse.Namespace) 
     return run_fleetserve(model, workload, args, optimization_level=0)
 
 
+def run_fleetserve_o3(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    """-O3: the compiled elementwise pieces on top of -O2 (the compile happens at start-up,
+    before the timed run)."""
+    return run_fleetserve(model, workload, args, optimization_level=3)
+
+
 def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -> Result:
     import torch
     from transformers import AutoModelForCausalLM
@@ -189,6 +195,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     runners = {
         "fleetserve": run_fleetserve,
         "fleetserve-O0": run_fleetserve_o0,
+        "fleetserve-O3": run_fleetserve_o3,
         "transformers": run_transformers,
         "vllm": run_vllm,
     }

@@ -144,7 +144,13 @@ class EngineArgs:
         DEFAULT_LEVEL,
         "-O0..-O3: defaults for the speed knobs left unset (explicit flags win); 0 compiles and "
         "captures nothing (torch attention, no CUDA graphs), 1-3 fused CPU attention and CUDA "
-        "graphs (fleetserve/engine/compilation/levels.py)",
+        "graphs, 3 also torch.compile on the CPU (fleetserve/engine/compilation/levels.py)",
+    )
+    compile_min_tokens: int | None = _arg(
+        None,
+        "CPU: steps of at least this many tokens run torch.compile'd (Inductor) elementwise "
+        "pieces around the GEMMs and attention, cached on disk; 0: never (unset: from -O; "
+        "-O3: 256)",
     )
 
     @classmethod
@@ -232,7 +238,11 @@ class EngineArgs:
                 require_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         device = resolve_device(self.device)
         knobs = resolve_knobs(
-            self.optimization_level, device, self.enforce_eager, self.attention_backend
+            self.optimization_level,
+            device,
+            self.enforce_eager,
+            self.attention_backend,
+            self.compile_min_tokens,
         )
         custom_ops = resolve_custom_ops(self.custom_ops, device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
@@ -285,6 +295,7 @@ class EngineArgs:
                 enforce_eager=knobs.enforce_eager,
                 moe_backend=self.moe_backend,
                 optimization_level=self.optimization_level,
+                compile_min_tokens=knobs.compile_min_tokens,
             ),
             eplb=EPLBConfig(
                 enabled=self.enable_eplb,

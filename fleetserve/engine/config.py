@@ -443,9 +443,21 @@ class DeviceConfig:
     on the CPU; `fleetserve.engine.layers.fused_moe.selector`)."""
     optimization_level: int = 2
     """The `-O` level the knobs above were defaulted from (named in optimisation failures)."""
+    compile_min_tokens: int = 0
+    """CPU: steps of at least this many tokens run the torch.compile'd elementwise pieces
+    (`fleetserve.engine.compilation.pieces`); 0 compiles nothing."""
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES[1:], "device", f"one of {_DEVICES[1:]}", self.device)
+        _require(
+            self.compile_min_tokens >= 0, "compile_min_tokens", ">= 0", self.compile_min_tokens
+        )
+        _require(
+            self.compile_min_tokens == 0 or self.device == "cpu",
+            "compile_min_tokens",
+            "0 on cuda (the compiled pieces are built for the CPU only)",
+            self.compile_min_tokens,
+        )
         _require(
             self.attention_backend in _BACKENDS,
             "attention_backend",

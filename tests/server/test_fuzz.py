@@ -130,7 +130,8 @@ def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: ServerHan
         tally.latencies.append(latency)
         tally.statuses[response.status_code] += 1
         if latency > tally.worst[0]:
-            tally.worst = (latency, f"{case.path} {json.dumps(case.body)[:200]}")
+            # NOTE: a negative case's body may be bytes (not JSON-serialisable): repr it.
+            tally.worst = (latency, f"{case.path} {json.dumps(case.body, default=repr)[:200]}")
         if response.status_code >= 500:
             tally.defect("server error", case, response)
         elif response.status_code >= 400 and not _is_openai_error(response):

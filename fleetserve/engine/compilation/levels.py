@@ -6,17 +6,17 @@ Seed notes part 3 §2.8. A level only fills in the knobs the user left unset (`N
 
 What each level sets in this build:
 
-| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile |
+| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile (`compile_min_tokens`) |
 |---|---|---|---|
-| O0 | off (`enforce_eager=True`) | the torch reference | none |
-| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none |
-| O2 (default) | decode graphs | the fused C++ kernel | none |
-| O3 | = O2 (reserved) | = O2 | none |
+| O0 | off (`enforce_eager=True`) | the torch reference | none (0) |
+| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) |
+| O2 (default) | decode graphs | the fused C++ kernel | none (0) |
+| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) |
 
 O0 is the debugging level: nothing is compiled (no C++ kernel build, no Inductor) and nothing is
-captured, so a wrong result there is the model's, not an optimisation's. `torch.compile` of the
-model is not built yet, so no level compiles the model (the compile column is what the config
-records); async scheduling is not built either and has no knob.
+captured, so a wrong result there is the model's, not an optimisation's. O3 is not the default
+because its first start compiles with the machine's C++ compiler (about 15 s on 2 cores; later
+starts load the cache). Async scheduling is not built and has no knob.
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ class LevelDefaults:
     """True: never capture CUDA graphs."""
     fused_cpu_attention: bool
     """True: 'auto' may pick the fused C++ attention on the CPU (else the torch reference)."""
+    compile_min_tokens: int
+    """On the CPU: steps of at least this many tokens run the compiled pieces (0: none)."""
 
+
+COMPILE_MIN_TOKENS_O3 = 256
+"""Below this, dynamo's guard checks per call cost more than fusing saves (decode batches)."""
 
 _DEFAULTS: dict[int, LevelDefaults] = {
-    0: LevelDefaults(enforce_eager=True, fused_cpu_attention=False),
-    1: LevelDefaults(enforce_eager=False, fused_cpu_attention=True),
-    2: LevelDefaults(enforce_eager=False, fused_cpu_attention=True),
-    3: LevelDefaults(enforce_eager=False, fused_cpu_attention=True),
+    0: LevelDefaults(enforce_eager=True, fused_cpu_attention=False, compile_min_tokens=0),
+    1: LevelDefaults(enforce_eager=False, fused_cpu_attention=True, compile_min_tokens=0),
+    2: LevelDefaults(enforce_eager=False, fused_cpu_attention=True, compile_min_tokens=0),
+    3: LevelDefaults(
+        enforce_eager=False, fused_cpu_attention=True, compile_min_tokens=COMPILE_MIN_TOKENS_O3
+    ),
 }
 
 
@@ -64,22 +71,33 @@ class ResolvedKnobs:
 
     enforce_eager: bool
     attention_backend: str
+    compile_min_tokens: int = 0
 
 
 def resolve_knobs(
-    level: int, device: str, enforce_eager: bool | None, attention_backend: str
+    level: int,
+    device: str,
+    enforce_eager: bool | None,
+    attention_backend: str,
+    compile_min_tokens: int | None = None,
 ) -> ResolvedKnobs:
-    """Apply `level` to the knobs left unset (`enforce_eager=None`, `attention_backend='auto'`).
+    """Apply `level` to the knobs left unset (`enforce_eager=None`, `attention_backend='auto'`,
+    `compile_min_tokens=None`).
 
     On the CPU at a level without fused attention, 'auto' becomes 'torch' (the reference); on
-    CUDA 'auto' stays 'auto' (the selector picks the GPU kernels there).
+    CUDA 'auto' stays 'auto' (the selector picks the GPU kernels there). The level's compile
+    default applies on the CPU only (the compiled pieces are not built for CUDA).
     """
     defaults = level_defaults(level)
     eager = defaults.enforce_eager if enforce_eager is None else enforce_eager
     backend = attention_backend
     if backend == "auto" and device == "cpu" and not defaults.fused_cpu_attention:
         backend = "torch"
-    return ResolvedKnobs(enforce_eager=eager, attention_backend=backend)
+    if compile_min_tokens is None:
+        compile_min_tokens = defaults.compile_min_tokens if device == "cpu" else 0
+    return ResolvedKnobs(
+        enforce_eager=eager, attention_backend=backend, compile_min_tokens=compile_min_tokens
+    )
 
 
 def lower_level_hint(level: int, what: str) -> str:

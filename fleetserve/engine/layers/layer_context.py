@@ -16,6 +16,7 @@ import torch
 from fleetserve.engine.custom_ops import is_resolved_custom_ops, uses_custom_op
 
 if TYPE_CHECKING:
+    from fleetserve.engine.compilation.pieces import CompiledPieces
     from fleetserve.engine.distributed.data_parallel_sync import DPStepSync
     from fleetserve.engine.distributed.group import GroupCoordinator
 
@@ -54,6 +55,9 @@ class LayerContext:
     dp_sync: DPStepSync | None = field(default=None, compare=False)
     """Lockstep data parallel: the DP ranks' token counts of the current forward, and the
     dispatch MoE layers use when their expert-parallel group spans the DP ranks."""
+    pieces: CompiledPieces | None = field(default=None, compare=False)
+    """The engine's torch.compile'd elementwise pieces (None: every step eager), which RMSNorm,
+    rotary and SiLU-and-mul run for steps in their compile range."""
 
     def __post_init__(self) -> None:
         if self.custom_ops not in CUSTOM_OPS and not is_resolved_custom_ops(self.custom_ops):

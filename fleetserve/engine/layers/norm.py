@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.use_triton = context.use_custom_op("rms_norm")
+        self.pieces = None if self.use_triton else context.pieces
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=context.dtype, device=context.device),
             requires_grad=False,
@@ -41,6 +42,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return custom_ops.rms_norm(x, self.weight, self.eps)
             return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self.pieces is not None and self.pieces.applies(x.shape[0]):
+            if residual is None:
+                return self.pieces.rms_norm(x, self.weight, self.eps)
+            return self.pieces.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.

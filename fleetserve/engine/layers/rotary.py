@@ -164,6 +164,9 @@ class RotaryEmbedding:
     ) -> None:
         self.use_triton = context.use_custom_op("rotary")
         self.rotary_dim = int(head_size * float(rope.partial_rotary_factor))
+        # NOTE: the compiled piece rotates whole heads (partial rotary stays eager).
+        full = self.rotary_dim == head_size
+        self.pieces = context.pieces if full and not self.use_triton else None
         self.head_size = head_size
         inv_freq, scaling = compute_inv_freq(rope, self.rotary_dim)
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -187,6 +190,11 @@ class RotaryEmbedding:
 
             rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
             return query, key
+        if self.pieces is not None and self.pieces.applies(positions.shape[0]):
+            rotated: tuple[torch.Tensor, torch.Tensor] = self.pieces.rotary(
+                positions, query, key, self.cos_cache, self.sin_cache
+            )
+            return rotated
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -30,9 +30,11 @@ from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.registry import resolve_model_class
 from fleetserve.engine.quantization.apply import assign_quant_methods, finish_quantization
+from fleetserve.envs import read_env
 from fleetserve.kernels import is_interpreter
 
 if TYPE_CHECKING:
+    from fleetserve.engine.compilation.pieces import CompiledPieces
     from fleetserve.engine.distributed.group import GroupCoordinator
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -130,6 +132,7 @@ def build_layer_context(
         dtype=torch_dtype(config.model.dtype),
         device=device,
         custom_ops=custom_ops,
+        pieces=_compiled_pieces(config),
         tp_rank=0 if tp_group is None else tp_group.rank_in_group,
         tp_size=1 if tp_group is None else tp_group.world_size,
         tp_group=tp_group,
@@ -142,6 +145,18 @@ def build_layer_context(
         moe_backend=select_moe_backend(config.device.moe_backend, device),
         num_redundant_experts=config.eplb.redundant_experts if config.eplb.enabled else 0,
     )
+
+
+def _compiled_pieces(config: EngineConfig) -> CompiledPieces | None:
+    """The engine's compiled pieces when its config compiles (`compile_min_tokens` > 0); their
+    cache key is what the generated code depends on: the dtype and the model's config."""
+    min_tokens = config.device.compile_min_tokens
+    if min_tokens == 0:
+        return None
+    from fleetserve.engine.compilation.pieces import CompiledPieces
+
+    key = (config.model.dtype, json.dumps(config.model.hf_config, sort_keys=True, default=str))
+    return CompiledPieces(min_tokens, read_env().cache_root / "compile", key)
 
 
 def load_model(config: EngineConfig, arch: ModelArch, context: LayerContext) -> CausalLM:

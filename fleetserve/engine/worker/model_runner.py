@@ -21,6 +21,7 @@ Lifecycle (driven by the `Worker`): `load_model()` → `bind_kv_caches(caches)` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,9 @@ from fleetserve.engine.worker.step_buffers import StepBuffers
 if TYPE_CHECKING:
     from fleetserve.engine.kv_transfer.worker_role import P2PConnectorWorker
     from fleetserve.engine.lora.runner import LoRARunner
+
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -153,6 +157,45 @@ class ModelRunner:
     def attention_layer_names(self) -> list[str]:
         """The attention layers' names, in layer order (how KV hooks name them)."""
         return list(self._kv_caches_by_layer)
+
+    def warm_up_compiled(self) -> None:
+        """Compile (or load from the cache) the torch.compile'd pieces now, with one forward of
+        a dummy request in their compile range, so that no request's step waits on Inductor
+        (after `bind_kv_caches`; nothing to do when the engine compiles nothing). The dummy
+        request reads only the null block and writes no KV (its slots are -1)."""
+        pieces = self.layer_context.pieces
+        if pieces is None:
+            return
+        from fleetserve.engine.compilation.pieces import compile_counts
+        from fleetserve.engine.layers.attention.metadata import build_attention_metadata
+
+        n = pieces.min_tokens
+        if n > self.config.scheduler.max_num_batched_tokens:
+            logger.warning(
+                "compile_min_tokens (%d) is above max_num_batched_tokens (%d): no step runs "
+                "the compiled pieces",
+                n,
+                self.config.scheduler.max_num_batched_tokens,
+            )
+            return
+        assert self.model is not None and self.kv_caches, "bind_kv_caches() must run first"
+        block_size = self.config.cache.block_size
+        metadata = build_attention_metadata(
+            [n],
+            [n],
+            torch.zeros(1, -(-n // block_size), dtype=torch.int32),
+            torch.full((n,), -1, dtype=torch.int64),
+            block_size,
+            self.device,
+        )
+        context = ForwardContext(metadata, self._kv_caches_by_layer, kv_hooks=None)
+        # NOTE: made outside inference mode, as the step buffers are (dynamo guards on it).
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        before = compile_counts()
+        with torch.inference_mode():
+            self.model(ids, positions, context)
+        pieces.log_warm_up(before)
 
     def capture_decode_graphs(self, sizes: tuple[int, ...]) -> None:
         """Capture one decode graph per size (CUDA; after `bind_kv_caches`, since graphs record

@@ -56,14 +56,17 @@ def test_o0_compiles_and_captures_nothing(tiny: str, monkeypatch: pytest.MonkeyP
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_default_level_is_o2_and_o3_equals_o2(tiny: str) -> None:
+def test_default_level_is_o2_and_only_o3_compiles(tiny: str) -> None:
     assert EngineArgs().optimization_level == DEFAULT_LEVEL == 2
-    assert level_defaults(3) == level_defaults(2) == level_defaults(1)
+    assert level_defaults(2) == level_defaults(1)
     assert level_defaults(0).enforce_eager and not level_defaults(0).fused_cpu_attention
+    assert [level_defaults(n).compile_min_tokens for n in range(4)] == [0, 0, 0, 256]
     device = _device(tiny)
     assert device.optimization_level == 2
     assert not device.enforce_eager
     assert device.attention_backend == "auto"
+    assert device.compile_min_tokens == 0
+    assert _device(tiny, optimization_level=3).compile_min_tokens == 256
 
 
 def test_an_explicit_flag_beats_the_level(tiny: str) -> None:
@@ -72,6 +75,15 @@ def test_an_explicit_flag_beats_the_level(tiny: str) -> None:
     explicit = _device(tiny, optimization_level=0, attention_backend="cpu_paged")
     assert explicit.attention_backend == "cpu_paged"
     assert explicit.enforce_eager  # the knob left unset still follows -O0
+    assert _device(tiny, optimization_level=3, compile_min_tokens=0).compile_min_tokens == 0
+    assert _device(tiny, optimization_level=0, compile_min_tokens=64).compile_min_tokens == 64
+
+
+def test_compiling_on_cuda_is_refused() -> None:
+    with pytest.raises(ValueError, match="compile_min_tokens must be 0 on cuda"):
+        DeviceConfig(device="cuda", compile_min_tokens=256)
+    with pytest.raises(ValueError, match="compile_min_tokens must be >= 0"):
+        DeviceConfig(device="cpu", compile_min_tokens=-1)
 
 
 @pytest.mark.skipif(not load_cpu_kernels().available, reason=str(load_cpu_kernels().error))
