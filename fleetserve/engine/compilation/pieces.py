@@ -20,6 +20,9 @@ What is compiled, and when:
   the dtype, the widths, eps, the rotary layout), so a second start with the same config compiles
   nothing: its graphs are cache hits (`compile_counts`, logged at warm-up).
 
+The compiled functions are the torch references of `fleetserve.kernels.reference`, which
+reproduce the layers' eager arithmetic exactly, so there is one definition of each op.
+
 Eager stays the reference: -O0..-O2 compile nothing (`levels.py`), and `compile_min_tokens=0`
 turns it off at any level.
 """
@@ -35,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from fleetserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 __all__ = ["CompileCounts", "CompiledPieces", "compile_counts"]
 
@@ -60,52 +64,16 @@ def compile_counts() -> CompileCounts:
     )
 
 
-def _add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
-    return _rms_norm(summed, weight, eps), summed
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # NOTE: the eager RMSNorm's exact steps (float32 statistics, cast back, then the weight).
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
-
-def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
-
-
-def _rotary(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos = cos_cache[positions].unsqueeze(1)
-    sin = sin_cache[positions].unsqueeze(1)
-    return _rotate_neox(query, cos, sin), _rotate_neox(key, cos, sin)
-
-
-def _compile(fn: Callable[..., Any], token_args: int) -> Callable[..., Any]:
-    """`fn` compiled with one dynamic dimension: dim 0 (the token count) of its first
-    `token_args` arguments; every other size is static (guarded), so each width compiles once
-    and a width that happens to equal the token count cannot fold into it."""
+def _compile(fn: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:
+    """`fn` compiled with one dynamic dimension: dim 0 (the token count) of its arguments at
+    positions `token_args` (those passed); every other size is static (guarded), so each width
+    compiles once and a width that happens to equal the token count cannot fold into it."""
     compiled = torch.compile(fn, fullgraph=True)
 
     def call(*args: Any) -> Any:
-        for tensor in args[:token_args]:
-            torch._dynamo.mark_dynamic(tensor, 0)
+        for index in token_args:
+            if index < len(args) and args[index] is not None:
+                torch._dynamo.mark_dynamic(args[index], 0)
         return compiled(*args)
 
     return call
@@ -131,10 +99,13 @@ class CompiledPieces:
         # NOTE: Inductor reads its cache folder from the environment at each compile; the engine
         # process is this engine's own, so setting it here scopes it to the engine.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
-        self.add_rms_norm = _compile(_add_rms_norm, token_args=2)
-        self.rms_norm = _compile(_rms_norm, token_args=1)
-        self.silu_and_mul = _compile(_silu_and_mul, token_args=1)
-        self.rotary = _compile(_rotary, token_args=3)
+        # NOTE: the pieces are the torch references of the layers' ops (`kernels.reference`,
+        # which reproduce the layers' eager arithmetic exactly), compiled.
+        self.rms_norm = _compile(rms_norm_ref, token_args=(0, 3))
+        """(x, weight, eps[, residual]) → normed, or (normed, summed) with a residual."""
+        self.silu_and_mul = _compile(silu_and_mul_ref, token_args=(0,))
+        self.rotary = _compile(rotary_ref, token_args=(0, 1, 2))
+        """(positions, query, key, cos_cache, sin_cache, is_neox) → rotated copies."""
 
     def applies(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs the compiled pieces (the compile range)."""

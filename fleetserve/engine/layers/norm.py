@@ -43,9 +43,9 @@ class RMSNorm(nn.Module):
                 return custom_ops.rms_norm(x, self.weight, self.eps)
             return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if self.pieces is not None and self.pieces.applies(x.shape[0]):
-            if residual is None:
-                return self.pieces.rms_norm(x, self.weight, self.eps)
-            return self.pieces.add_rms_norm(x, residual, self.weight, self.eps)
+            normed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+            normed = self.pieces.rms_norm(x, self.weight, self.eps, residual)
+            return normed
         if residual is None:
             return self._norm(x)
         # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.

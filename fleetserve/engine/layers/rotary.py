@@ -192,7 +192,7 @@ class RotaryEmbedding:
             return query, key
         if self.pieces is not None and self.pieces.applies(positions.shape[0]):
             rotated: tuple[torch.Tensor, torch.Tensor] = self.pieces.rotary(
-                positions, query, key, self.cos_cache, self.sin_cache
+                positions, query, key, self.cos_cache, self.sin_cache, True
             )
             return rotated
         cos = self.cos_cache[positions].unsqueeze(1)

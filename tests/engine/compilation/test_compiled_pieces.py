@@ -77,7 +77,7 @@ def test_the_compile_range_is_on_the_token_count(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compile_min_tokens must be > 0"):
         CompiledPieces(0, tmp_path, ())
     x, residual, weight = torch.randn(300, 64), torch.randn(300, 64), torch.rand(64)
-    normed, summed = pieces.add_rms_norm(x, residual, weight, 1e-6)
+    normed, summed = pieces.rms_norm(x, weight, 1e-6, residual)
     reference = (x + residual) * torch.rsqrt((x + residual).pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(normed, weight * reference)
     torch.testing.assert_close(summed, x + residual)
