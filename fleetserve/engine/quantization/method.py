@@ -46,8 +46,8 @@ class UnquantizedLinearMethod(LinearMethod):
     """The engine dtype's weight and the device's dense GEMM (`fleetserve.engine.layers.gemm`:
     oneDNN on the CPU, `F.linear` elsewhere)."""
 
-    def __init__(self) -> None:
-        self.gemm = DenseGemm(torch.device("cpu"), torch.float32)
+    gemm: DenseGemm
+    """The layer's GEMM, chosen in `create_weights` for the weight's device and dtype."""
 
     def create_weights(self, layer: Linear, dtype: torch.dtype, device: torch.device) -> None:
         # NOTE: torch.empty, not nn.Linear: random init of a multi-GB model is pure waste.
