@@ -106,6 +106,19 @@ class OperatorEnv:
             and e.get("objectRef", {}).get("resource") != "events"
         ]
 
+    def rbac_denials(self, *, username: str = SA_USER, namespace: str | None = None) -> list[str]:
+        """`verb requestURI` of each request by `username` (in `namespace`, if given) that RBAC
+        refused. The audit log is the whole test session's, so a 403 the authorizer allowed is
+        left out: that is admission, e.g. an earlier module's operator posting an event into a
+        namespace its test was already deleting, not a missing grant."""
+        return [
+            f"{e['verb']} {e['requestURI']}"
+            for e in self.dc.audit_events(username=username)
+            if e["responseStatus"]["code"] == 403
+            and e.get("annotations", {}).get("authorization.k8s.io/decision") != "allow"
+            and (namespace is None or e.get("objectRef", {}).get("namespace") == namespace)
+        ]
+
     def new_namespace(self, name: str) -> str:
         self.kubectl("create", "namespace", name)
         # A statically bound read-only volume for the samples' `pvc://models/...` sources.

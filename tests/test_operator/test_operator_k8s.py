@@ -434,15 +434,7 @@ def test_transfer_requirements_the_cluster_cannot_meet_are_reported(
 
 def test_rbac_is_sufficient_and_minimal(operator_env: OperatorEnv) -> None:
     events = operator_env.dc.audit_events(username=SA_USER)
-    # NOTE: a 403 the authorizer allowed is admission (e.g. an event posted into a namespace the
-    # test is already deleting); RBAC denials carry decision "forbid".
-    forbidden = [
-        (e["verb"], e["requestURI"])
-        for e in events
-        if e["responseStatus"]["code"] == 403
-        and e.get("annotations", {}).get("authorization.k8s.io/decision") != "allow"
-    ]
-    assert forbidden == []
+    assert operator_env.rbac_denials() == []
     assert len(events) > 100, "the operator ran as the ServiceAccount"
     used = {
         (
