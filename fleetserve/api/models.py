@@ -313,6 +313,12 @@ class Disaggregation(_Model):
 
 class RouterSpec(_Model):
     replicas: int = Field(default=1, ge=0)
+    drain_timeout_seconds: int = Field(
+        default=600,
+        ge=0,
+        description="how long a stopping router pod (a roll, a scale-in) may finish the streams"
+        " in flight through it before they are cut; it exits as soon as they are done",
+    )
     disaggregation: Disaggregation = Field(default_factory=Disaggregation)
     prefix_aware: bool = True
     load_aware: bool = True

@@ -52,9 +52,11 @@ __all__ = [
 ]
 
 ROUTER_PORT = 8080
-ROUTER_SHUTDOWN_DELAY_S = 3.0
+ROUTER_SHUTDOWN_DELAY_S = 10.0
 """How long a stopping router stays unready but serving, so the Service's endpoints (and the
-clients that resolved it) stop sending before its listener closes."""
+clients that resolved it) stop sending before its listener closes. Endpoint updates reach
+kube-proxy and ingress controllers in seconds, more on a busy control plane (3 s let clients of
+a loaded 2-core dev cluster meet a closed listener during a roll)."""
 
 ROUTER_POD_RULES: tuple[dict[str, list[str]], ...] = (
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
@@ -274,6 +276,10 @@ def build_router_config(spec: InferenceDeploymentSpec, owner: Owner) -> RouterCo
 
     return RouterConfig(
         shutdown_delay_s=ROUTER_SHUTDOWN_DELAY_S,
+        # NOTE: as long as an engine group's drain by default: a stream through a stopping
+        # router is as long as one through a draining engine (the router's own default, 25 s,
+        # cut answers of a few hundred tokens on a busy machine during a roll).
+        shutdown_grace_s=float(r.drain_timeout_seconds),
         mode=r.disaggregation.mode,
         min_uncached_tokens=r.disaggregation.min_uncached_tokens,
         prefix_aware=r.prefix_aware,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 from aiohttp import web
 
@@ -35,17 +36,24 @@ async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event)
         app, access_log=None, handler_cancellation=True, shutdown_timeout=config.shutdown_grace_s
     )
     await runner.setup()
+    in_flight = 0
     try:
         await web.TCPSite(runner, host, port).start()
         await stop.wait()
         app[STATE_KEY].terminating = True
         logger.info("stopping: unready now, still serving for %.1f s", config.shutdown_delay_s)
         await asyncio.sleep(config.shutdown_delay_s)
-        logger.info("stopping: listener closed; up to %.1f s for requests in flight",
-                    config.shutdown_grace_s)  # fmt: skip
+        in_flight = app[STATE_KEY].admission.in_flight
+        logger.info("stopping: listener closed; up to %.1f s for the %d request(s) in flight",
+                    config.shutdown_grace_s, in_flight)  # fmt: skip
     finally:
+        started = time.monotonic()
         await runner.cleanup()
-    logger.info("stopped")
+    if in_flight and time.monotonic() - started >= config.shutdown_grace_s:
+        logger.warning("stopped: the grace of %.1f s ran out; what still ran was cut",
+                       config.shutdown_grace_s)  # fmt: skip
+    else:
+        logger.info("stopped")
 
 
 def serve_until_signalled(app: web.Application, host: str, port: int) -> None:

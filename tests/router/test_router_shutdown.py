@@ -7,9 +7,11 @@ in front of a scripted engine whose stream takes several seconds."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
+import pytest
 
 from fleetserve.api.router_config import RouterConfig
 from fleetserve.router.app import create_app
@@ -90,7 +92,9 @@ def test_a_stopping_router_goes_unready_keeps_serving_then_lets_its_streams_fini
     asyncio.run(main())
 
 
-def test_past_its_grace_a_stopping_router_cuts_what_still_runs() -> None:
+def test_past_its_grace_a_stopping_router_cuts_what_still_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def main() -> None:
         engine, stop, server, base = await _started(200, 0.25, shutdown_delay_s=0.0,
                                                     shutdown_grace_s=1.0)  # fmt: skip
@@ -108,4 +112,6 @@ def test_past_its_grace_a_stopping_router_cuts_what_still_runs() -> None:
         finally:
             await engine.stop()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger="fleetserve.router"):
+        asyncio.run(main())
+    assert "the grace of 1.0 s ran out" in caplog.text

@@ -3,12 +3,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from fleetserve.api import labels
 from fleetserve.api.compat import compatibility_hash, role_compatibility_hashes
@@ -548,6 +550,18 @@ def test_a_router_roll_starts_the_new_one_first_and_lets_the_old_one_finish() ->
     assert args.shutdown_delay_s > 0, "a stopping router must stay serving while endpoints update"
     grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > args.shutdown_delay_s + args.shutdown_grace_s
+    # The streams in flight get as long as an engine group's drain (the role default).
+    assert args.shutdown_grace_s == 600
+
+
+def test_the_router_drain_timeout_is_the_wait_for_its_streams() -> None:
+    router = build_router_deployment(_spec(router={"drainTimeoutSeconds": 90}), OWNER)
+    args = RouterConfig.from_args(_router_parser().parse_args(_container(router)["args"][1:]))
+    assert args.shutdown_grace_s == 90
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace == math.ceil(args.shutdown_delay_s + 90) + 5
+    with pytest.raises(ValidationError, match=r"drainTimeoutSeconds|drain_timeout_seconds"):
+        _spec(router={"drainTimeoutSeconds": -1})
 
 
 def test_the_router_block_sets_the_router_flags_and_placement() -> None:
