@@ -146,6 +146,11 @@ class EngineArgs:
         "captures nothing (torch attention, no CUDA graphs), 1-3 fused CPU attention and CUDA "
         "graphs, 3 also torch.compile on the CPU (fleetserve/engine/compilation/levels.py)",
     )
+    async_scheduling: bool | None = _arg(
+        None,
+        "schedule step N+1 while step N runs (one rank; steps with structured output run "
+        "synchronously; refused with speculative decoding or a KV connector); unset: from -O",
+    )
     compile_min_tokens: int | None = _arg(
         None,
         "CPU: steps of at least this many tokens run torch.compile'd (Inductor) elementwise "
@@ -243,6 +248,7 @@ class EngineArgs:
             self.enforce_eager,
             self.attention_backend,
             self.compile_min_tokens,
+            _async_scheduling(self),
         )
         custom_ops = resolve_custom_ops(self.custom_ops, device)
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
@@ -278,6 +284,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
                 full_sequence_must_fit=self.full_sequence_must_fit,
+                async_scheduling=knobs.async_scheduling,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -418,6 +425,34 @@ def _check_expert_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
             f"{arch!r}, which this build does not implement yet (issue 17): it applies to MoE "
             f"architectures only ({', '.join(sorted(MOE_ARCHITECTURES))})"
         )
+
+
+def _async_scheduling(args: EngineArgs) -> bool | None:
+    """The explicit `async_scheduling`, or False where the engine cannot run it (so that the
+    level's default applies only where it can; None: the level decides).
+
+    Raises:
+        ValueError: `async_scheduling=True` on an engine that cannot run it (names why).
+    """
+    from fleetserve.engine.core.async_scheduling import async_scheduling_blockers
+
+    blockers = async_scheduling_blockers(
+        speculative=args.speculative_config is not None,
+        kv_transfer=args.kv_transfer_config is not None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        executor_backend=args.distributed_executor_backend,
+        dp_lockstep=args.data_parallel_size > 1 and args.enable_expert_parallel,
+    )
+    if not blockers:
+        return args.async_scheduling
+    if args.async_scheduling:
+        name, why = blockers[0]
+        raise ValueError(
+            f"async_scheduling=True cannot be combined with {name}={getattr(args, name)!r}: "
+            f"{why}; leave async_scheduling unset or pass --no-async-scheduling"
+        )
+    return False
 
 
 def _lora_config(args: EngineArgs) -> LoRAConfig | None:

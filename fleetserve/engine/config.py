@@ -134,6 +134,10 @@ class SchedulerConfig:
     """Queue and preemption policy: 'fcfs' (preempt newest) or 'priority' (preempt lowest priority)."""
     full_sequence_must_fit: bool = False
     """Admit a request only when blocks for its whole prompt + max_tokens are free."""
+    async_scheduling: bool = False
+    """Schedule step N + 1 while step N runs (`fleetserve.engine.core.async_scheduling`):
+    running decodes are scheduled again before their step-N token is known (one output
+    placeholder each) and the runner feeds them the token it sampled itself."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)

@@ -99,7 +99,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        """Tokens whose KV is in the cache (prefix hits and external loads count)."""
+        """Tokens whose KV is in the cache (prefix hits and external loads count); under async
+        scheduling also the positions of tokens still in flight (`num_output_placeholders`)."""
+        self.num_output_placeholders = 0
+        """Async scheduling: tokens being sampled by steps in flight, not yet appended (the
+        scheduler counts them as known when it schedules the next decode)."""
         self.num_cached_tokens: int | None = None
         """Prefix-cache hit length at first scheduling (None until scheduled)."""
         self.num_preemptions = 0

@@ -6,17 +6,19 @@ Seed notes part 3 §2.8. A level only fills in the knobs the user left unset (`N
 
 What each level sets in this build:
 
-| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile (`compile_min_tokens`) |
-|---|---|---|---|
-| O0 | off (`enforce_eager=True`) | the torch reference | none (0) |
-| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) |
-| O2 (default) | decode graphs | the fused C++ kernel | none (0) |
-| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) |
+| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile (`compile_min_tokens`) | async scheduling |
+|---|---|---|---|---|
+| O0 | off (`enforce_eager=True`) | the torch reference | none (0) | off |
+| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) | ASYNC_O1 |
+| O2 (default) | decode graphs | the fused C++ kernel | none (0) | ASYNC_O2 |
+| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) | ASYNC_O3 |
 
 O0 is the debugging level: nothing is compiled (no C++ kernel build, no Inductor) and nothing is
 captured, so a wrong result there is the model's, not an optimisation's. O3 is not the default
 because its first start compiles with the machine's C++ compiler (about 15 s on 2 cores; later
-starts load the cache). Async scheduling is not built and has no knob.
+starts load the cache). A level's async-scheduling default applies only to engines that can
+run it (`core.async_scheduling.async_scheduling_blockers`: no speculative decoding, no KV
+connector, one rank); an explicit `--async-scheduling` on one that cannot is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class LevelDefaults:
     """True: 'auto' may pick the fused C++ attention on the CPU (else the torch reference)."""
     compile_min_tokens: int
     """On the CPU: steps of at least this many tokens run the compiled pieces (0: none)."""
+    async_scheduling: bool = False
+    """True: schedule step N + 1 while step N runs, where the engine can."""
 
 
 COMPILE_MIN_TOKENS_O3 = 256
@@ -72,6 +76,7 @@ class ResolvedKnobs:
     enforce_eager: bool
     attention_backend: str
     compile_min_tokens: int = 0
+    async_scheduling: bool = False
 
 
 def resolve_knobs(
@@ -80,9 +85,10 @@ def resolve_knobs(
     enforce_eager: bool | None,
     attention_backend: str,
     compile_min_tokens: int | None = None,
+    async_scheduling: bool | None = None,
 ) -> ResolvedKnobs:
     """Apply `level` to the knobs left unset (`enforce_eager=None`, `attention_backend='auto'`,
-    `compile_min_tokens=None`).
+    `compile_min_tokens=None`, `async_scheduling=None`).
 
     On the CPU at a level without fused attention, 'auto' becomes 'torch' (the reference); on
     CUDA 'auto' stays 'auto' (the selector picks the GPU kernels there). The level's compile
@@ -96,7 +102,12 @@ def resolve_knobs(
     if compile_min_tokens is None:
         compile_min_tokens = defaults.compile_min_tokens if device == "cpu" else 0
     return ResolvedKnobs(
-        enforce_eager=eager, attention_backend=backend, compile_min_tokens=compile_min_tokens
+        enforce_eager=eager,
+        attention_backend=backend,
+        compile_min_tokens=compile_min_tokens,
+        async_scheduling=defaults.async_scheduling
+        if async_scheduling is None
+        else async_scheduling,
     )
 
 

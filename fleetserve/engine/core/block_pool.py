@@ -255,6 +255,18 @@ class BlockPool:
         """Start a step: the blocks indexed so far hold KV that was computed."""
         self._newly_cached.clear()
 
+    def take_newly_cached(self) -> list[KVCacheBlock]:
+        """The blocks indexed since the last call (or `forget_newly_cached`), forgotten here:
+        under async scheduling the caller keeps them with the step that indexed them."""
+        blocks, self._newly_cached = self._newly_cached, []
+        return blocks
+
+    def drop_cached(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Unindex `blocks` (a failed step's, from `take_newly_cached`)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict_hash(block)
+
     def drop_newly_cached(self) -> None:
         """The step failed: unindex the blocks it indexed (their KV was never, or only partly,
         written, so a later prefix hit on them would read garbage)."""

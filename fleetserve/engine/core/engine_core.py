@@ -17,6 +17,9 @@ waiting (one per stage), and `step` runs the batch queue instead (seed notes par
 
 so that while the last stage computes batch N the first stage computes batch N + 1
 (`batch_queue` explains why the scheduler's state stays exact with batches outstanding).
+
+With `async_scheduling` (one rank) `step` schedules step N + 1 while the worker thread runs
+step N, then applies step N's output (`async_scheduling.step_async`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig
+from fleetserve.engine.core.async_scheduling import step_async
 from fleetserve.engine.core.batch_queue import BatchQueue
 from fleetserve.engine.core.kv_cache_utils import get_request_block_hasher
 from fleetserve.engine.core.outputs import (
@@ -58,10 +62,12 @@ class EngineCore:
         config: the engine configuration.
         max_concurrent_batches: batches in flight at most; None: as many as the executor
             allows (`pipeline_parallel_size` with 'mp'); 1 runs every step synchronously.
+            Under async scheduling it must be None (two steps in flight at most).
 
     Raises:
-        ValueError: `max_concurrent_batches` below 1 or above what the executor allows, or a
-            data-parallel config that is not one rank's (`data_parallel.rank_config`).
+        ValueError: `max_concurrent_batches` below 1 or above what the executor allows (or set
+            under async scheduling), or a data-parallel config that is not one rank's
+            (`data_parallel.rank_config`).
     """
 
     def __init__(self, config: EngineConfig, *, max_concurrent_batches: int | None = None) -> None:
@@ -78,7 +84,19 @@ class EngineCore:
         self.executor: Executor = executor_cls(config)
         allowed = self.executor.max_concurrent_batches
         num_batches = allowed if max_concurrent_batches is None else max_concurrent_batches
-        if not 1 <= num_batches <= allowed:
+        self.async_queue: BatchQueue | None = None
+        """Async scheduling: the steps in flight (two at most), oldest first; None: off."""
+        if config.scheduler.async_scheduling:
+            if max_concurrent_batches is not None or allowed != 2:
+                self.executor.shutdown()
+                raise ValueError(
+                    "async_scheduling runs two steps in flight on the 'uni' executor's worker "
+                    f"thread; got max_concurrent_batches={max_concurrent_batches} with an "
+                    f"executor allowing {allowed}"
+                )
+            self.async_queue = BatchQueue(2)
+            num_batches = 1  # NOTE: the scheduler's PP bookkeeping stays off
+        elif not 1 <= num_batches <= allowed:
             self.executor.shutdown()
             raise ValueError(
                 f"max_concurrent_batches must be in [1, {allowed}] for this executor, "
@@ -197,8 +215,11 @@ class EngineCore:
         whatever it runs, propagate: the caller ends the engine.
 
         With a batch queue (pipeline parallelism) the step submits a batch or applies the
-        oldest batch's output instead (`_step_with_batch_queue`).
+        oldest batch's output instead (`_step_with_batch_queue`); under async scheduling it
+        submits the next step and then applies the previous one's output (`step_async`).
         """
+        if self.async_queue is not None:
+            return step_async(self, self.async_queue)
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
         scheduler_output = self.scheduler.schedule()
@@ -304,15 +325,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Live requests, KV transfers or batches still in flight (the loop must keep
         stepping)."""
-        return self.scheduler.has_pending_work() or bool(self.batch_queue)
+        return self.scheduler.has_pending_work() or bool(self.batch_queue) or bool(self.async_queue)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's stats, with the KV connector's (its transfer observations since the
         last call move into them: call this once per step)."""
         stats = self.scheduler.make_stats()
-        if self.batch_queue is not None:
-            stats.num_batches_in_flight = len(self.batch_queue)
-            stats.max_batches_in_flight = self.batch_queue.max_depth
+        queue = self.batch_queue if self.async_queue is None else self.async_queue
+        if queue is not None:
+            stats.num_batches_in_flight = len(queue)
+            stats.max_batches_in_flight = queue.max_depth
         if self.config.kv_transfer is not None:
             # NOTE: the driver rank's counters (with TP it reports the loads for all ranks).
             kv = self.executor.collective_rpc("kv_connector_stats")[0]

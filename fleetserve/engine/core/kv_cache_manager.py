@@ -232,6 +232,15 @@ class KVCacheManager:
         """A new step: what earlier steps indexed was computed (they succeeded)."""
         self.block_pool.forget_newly_cached()
 
+    def take_newly_cached(self) -> list[KVCacheBlock]:
+        """The blocks indexed since the last step began, which the caller now tracks (async
+        scheduling keeps them per step in flight; `drop_cached` unindexes a failed step's)."""
+        return self.block_pool.take_newly_cached()
+
+    def drop_cached(self, blocks: list[KVCacheBlock]) -> None:
+        """Unindex blocks a failed step's schedule indexed (their KV holds garbage)."""
+        self.block_pool.drop_cached(blocks)
+
     def discard_step(self) -> None:
         """The current step failed: its newly indexed blocks hold no valid KV; unindex them."""
         self.block_pool.drop_newly_cached()

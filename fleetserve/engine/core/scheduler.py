@@ -22,15 +22,21 @@ flight at once: a request is in at most one of them and is skipped until its bat
 returns (`batch_queue.InFlightRequests`), a batch takes an even share of the schedulable
 requests over the free batch slots (so each stage gets one), and an output applies only to the
 requests it carried.
+
+With `async_scheduling` a step is scheduled while the previous one runs: running decodes are
+scheduled again on output placeholders, and a token sampled for a request preempted meanwhile
+is still appended to it (`async_scheduling` explains both).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from fleetserve.engine.core.async_scheduling import AsyncRequestState
 from fleetserve.engine.core.batch_queue import InFlightRequests
 from fleetserve.engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from fleetserve.engine.core.outputs import (
@@ -139,6 +145,8 @@ class Scheduler:
             InFlightRequests(max_concurrent_batches) if max_concurrent_batches > 1 else None
         )
         """Requests of the batches scheduled but not yet updated (None: one batch at a time)."""
+        self.async_state = AsyncRequestState(self) if scheduler_config.async_scheduling else None
+        """Placeholders and the steps in flight under async scheduling (None: off)."""
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -220,8 +228,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts under the token budget (see module doc).
 
-        After a failed step its suspects run first, each alone in a step of its own.
+        After a failed step its suspects run first, each alone in a step of its own. Under
+        async scheduling the step is recorded as in flight until its output is applied.
         """
+        output = self._schedule()
+        if self.async_state is not None:
+            self.async_state.after_schedule(output)
+        return output
+
+    def needs_output_first(self) -> bool:
+        """Async scheduling: whether the next schedule needs the output of the step in flight
+        (a constrained request in it needs its accepted tokens for its grammar bitmask; step
+        isolation runs suspects alone and must see each one's result)."""
+        if self.isolation.active:
+            return True
+        return any(
+            r.num_output_placeholders and r.structured_output is not None for r in self.running
+        )
+
+    def _schedule(self) -> SchedulerOutput:
         self.kv_cache_manager.begin_step()
         self._admit_compiled_grammars()
         if self.isolation.active:
@@ -241,13 +266,18 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = self.running[req_index]
-            if self._is_in_flight(request):
+            if self._is_in_flight(request) or (
+                self.async_state is not None and self.async_state.at_limit(request)
+            ):
                 req_index += 1
                 continue
             drafts = self._pending_drafts(request)
             num_new = self._cap_new_tokens(
                 request,
-                request.num_tokens + len(drafts) - request.num_computed_tokens,
+                request.num_tokens
+                + request.num_output_placeholders
+                + len(drafts)
+                - request.num_computed_tokens,
                 threshold,
                 budget,
             )
@@ -386,6 +416,49 @@ class Scheduler:
             self._preempt(request)
             self._pending_preempted.add(request_id)
         return outputs
+
+    def recover_from_failed_async_step(
+        self,
+        failed: SchedulerOutput,
+        later: list[SchedulerOutput],
+        error: BaseException,
+    ) -> list[EngineCoreOutput]:
+        """Async scheduling: undo step `failed`, which raised, and the steps submitted after it
+        (`later`, oldest first: they ran on state it should have produced; their results are
+        dropped). The later steps' requests are preempted (recomputed later); the failed step's
+        are isolated as by `recover_from_failed_step`.
+
+        Only the requests still running as the objects each step carried are rolled back: one
+        finished or preempted meanwhile has nothing of these steps left to undo.
+        """
+        state = self.async_state
+        assert state is not None, "recover_from_failed_async_step without async scheduling"
+        victims: list[Request] = []
+        for output in reversed(later):
+            for req_id, num_tokens in self._running_of(state.live(output)).items():
+                request = self.requests[req_id]
+                request.num_computed_tokens -= num_tokens
+                if request not in victims:
+                    victims.append(request)
+            state.discard(output)
+        live = self._running_of(state.live(failed))
+        state.discard(failed)
+        outputs = self.recover_from_failed_step(
+            dataclasses.replace(failed, num_scheduled_tokens=live), error
+        )
+        for request in victims:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+                self._pending_preempted.add(request.request_id)
+        return outputs
+
+    def _running_of(self, num_scheduled: dict[str, int]) -> dict[str, int]:
+        return {
+            req_id: num
+            for req_id, num in num_scheduled.items()
+            if self.requests[req_id].status == RequestStatus.RUNNING
+        }
 
     def _admit_compiled_grammars(self) -> None:
         """Requests whose grammar compiled join the waiting queue; failed ones finish."""
@@ -554,6 +627,9 @@ class Scheduler:
             self.spec.forget(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # NOTE: its tokens in flight (async scheduling) arrive as stale tokens, appended while
+        # it waits; none is a placeholder any more.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.deltas.forget(request.request_id)
@@ -603,6 +679,9 @@ class Scheduler:
         """
         outputs, self._grammar_failures = self._grammar_failures, []
         carried = None if self.in_flight is None else self.in_flight.complete(scheduler_output)
+        scheduled = (
+            None if self.async_state is None else self.async_state.complete(scheduler_output)
+        )
         for req_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -611,12 +690,24 @@ class Scheduler:
                 # NOTE: finished since the batch was scheduled, maybe resubmitted under the same
                 # id (another object): the output is not this request's.
                 continue
+            stale = False
+            if scheduled is not None:
+                if request is None or scheduled.get(req_id) is not request:
+                    continue  # NOTE: as above: finished (or resubmitted) since it was scheduled
+                if sampled and self.async_state is not None:
+                    self.async_state.resolve(request)
+                # NOTE: preempted while this step ran: its token is still its own (stale).
+                stale = request.status == RequestStatus.PREEMPTED
             prompt_rows = model_runner_output.prompt_logprobs.get(req_id)
             if prompt_rows is not None and request is not None:
                 request.prompt_logprobs_rows = concat_logprobs_rows(
                     request.prompt_logprobs_rows, prompt_rows
                 )
-            if not sampled or request is None or request.status != RequestStatus.RUNNING:
+            if (
+                not sampled
+                or request is None
+                or (request.status != RequestStatus.RUNNING and not stale)
+            ):
                 # NOTE: finished (aborted) or preempted since the step was scheduled: stale.
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -624,7 +715,7 @@ class Scheduler:
                 # NOTE: before the stop checks and any free: the rejected drafts' KV is not the
                 # request's, and `free` unindexes blocks past num_computed_tokens.
                 request.num_computed_tokens -= self.spec.num_rejected(len(drafts), len(sampled))
-            assert request.num_computed_tokens >= request.num_tokens, (
+            assert stale or request.num_computed_tokens >= request.num_tokens, (
                 f"tokens sampled for {req_id} before its prompt was computed"
             )
             new_token_ids: list[int] = []
@@ -653,7 +744,10 @@ class Scheduler:
             )
             request.prompt_logprobs_rows = None
             if request.is_finished:
-                self.running.remove(request)
+                if stale:
+                    self.waiting.remove(request)
+                else:
+                    self.running.remove(request)
                 outputs[-1].kv_transfer_params = self._free_request(request)
             elif self.spec is not None:
                 self.spec.set_drafts(req_id, model_runner_output.spec_token_ids.get(req_id, []))

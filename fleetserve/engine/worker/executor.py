@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fleetserve.engine.config import EngineConfig, ParallelConfig
@@ -173,10 +174,23 @@ def _worker_method(worker: Worker, method: str) -> Any:
 
 
 class UniProcExecutor(Executor):
-    """One worker in this process, called directly (no RPC)."""
+    """One worker in this process, called directly (no RPC).
+
+    Under async scheduling every call to the worker, from `initialize` on, runs on one worker
+    thread, in submission order: `execute_model_async` returns at once (two steps may be
+    queued), so the engine core schedules the next step while this one runs, and
+    `collective_rpc` waits behind the steps already submitted (it never sees a half-run step).
+    One thread for everything also keeps thread-bound state (the CUDA device and streams,
+    graphs, compiled code) on the thread that runs the steps.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        self._thread: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="fleetserve-worker")
+            if config.scheduler.async_scheduling
+            else None
+        )
         parallel = config.parallel
         if config.device.device == "cpu":
             configure_cpu_threads(1)
@@ -188,11 +202,33 @@ class UniProcExecutor(Executor):
             distributed_init_method=parallel.data_parallel_init_method,
         )
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 1 if self._thread is None else 2
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._thread is not None:
+            return self.execute_model_async(scheduler_output).result()
         return self.worker.execute_model(scheduler_output)
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        if self._thread is None:
+            return super().execute_model_async(scheduler_output)
+        future = self._thread.submit(self.worker.execute_model, scheduler_output)
+        return StepFuture(future.result)
+
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [_worker_method(self.worker, method)(*args, **kwargs)]
+        call = _worker_method(self.worker, method)
+        if self._thread is not None:
+            return [self._thread.submit(call, *args, **kwargs).result()]
+        return [call(*args, **kwargs)]
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if self._thread is None:
+            self.worker.shutdown()
+            return
+        # NOTE: after the steps still queued (their results are dropped), on the worker thread.
+        try:
+            self._thread.submit(self.worker.shutdown).result()
+        finally:
+            self._thread.shutdown(wait=True)

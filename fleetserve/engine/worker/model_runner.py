@@ -459,9 +459,18 @@ class ModelRunner:
         )
 
     def _sync_tokens(self, state: CachedRequestState, new_token_ids: list[int]) -> None:
-        """Adopt the scheduler's view: its tokens after the last sync replace ours."""
+        """Adopt the scheduler's view: its tokens after the last sync replace ours.
+
+        When ours already start with them (this runner sampled them), ours are kept, also
+        those past them: under async scheduling the scheduler learns a token one step after
+        the runner, which meanwhile sampled the next one (the next step's input).
+        """
         base = state.num_synced_tokens
         assert base >= len(state.prompt_token_ids), "sync point inside the prompt"
+        offset = base - len(state.prompt_token_ids)
+        if state.output_token_ids[offset : offset + len(new_token_ids)] == new_token_ids:
+            state.num_synced_tokens = base + len(new_token_ids)
+            return
         state.output_token_ids = state.output_token_ids[: base - len(state.prompt_token_ids)]
         state.output_token_ids.extend(new_token_ids)
         state.num_synced_tokens = state.num_tokens
