@@ -62,9 +62,16 @@ def make_workload(
 
 
 def run_fleetserve(
-    model: str, workload: Workload, args: argparse.Namespace, optimization_level: int = 2
+    model: str,
+    workload: Workload,
+    args: argparse.Namespace,
+    optimization_level: int = 2,
+    async_scheduling: bool | None = None,
 ) -> Result:
+    """fleetserve's `LLM` at `optimization_level` (async scheduling: explicit, or the level's);
+    prints the per-step engine-core timers (`step_timing`)."""
     from fleetserve import LLM, SamplingParams
+    from fleetserve.bench.step_timing import StepTimers
 
     llm = LLM(
         model,
@@ -73,14 +80,21 @@ def run_fleetserve(
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
         optimization_level=optimization_level,
+        async_scheduling=async_scheduling,
     )
+    timers = StepTimers.attach(llm)
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], params.clone(max_tokens=2))
+    timers.reset()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     name = "fleetserve" if optimization_level == 2 else f"fleetserve-O{optimization_level}"
+    if async_scheduling is not None:
+        name += "-async" if async_scheduling else "-sync"
+    mode = "async" if llm.config.scheduler.async_scheduling else "sync"
+    print(f"{name} ({mode} scheduling): {timers.describe(seconds)}")
     return Result(name, seconds, produced, workload.num_prompt_tokens)
 
 
@@ -93,6 +107,16 @@ def run_fleetserve_o3(model: str, workload: Workload, args: argparse.Namespace) 
     """-O3: the compiled elementwise pieces on top of -O2 (the compile happens at start-up,
     before the timed run)."""
     return run_fleetserve(model, workload, args, optimization_level=3)
+
+
+def run_fleetserve_async(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    """-O2 with async scheduling on (whatever the level's default)."""
+    return run_fleetserve(model, workload, args, async_scheduling=True)
+
+
+def run_fleetserve_sync(model: str, workload: Workload, args: argparse.Namespace) -> Result:
+    """-O2 with async scheduling off (whatever the level's default)."""
+    return run_fleetserve(model, workload, args, async_scheduling=False)
 
 
 def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -> Result:
@@ -171,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engines",
         default="fleetserve,transformers,vllm",
-        help="comma-separated subset of fleetserve,fleetserve-O0,transformers,vllm",
+        help="comma-separated subset of fleetserve,fleetserve-O0,fleetserve-O3,"
+        "fleetserve-async,fleetserve-sync,transformers,vllm",
     )
     parser.add_argument(
         "--vllm-python",
@@ -196,6 +221,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "fleetserve": run_fleetserve,
         "fleetserve-O0": run_fleetserve_o0,
         "fleetserve-O3": run_fleetserve_o3,
+        "fleetserve-async": run_fleetserve_async,
+        "fleetserve-sync": run_fleetserve_sync,
         "transformers": run_transformers,
         "vllm": run_vllm,
     }
@@ -273,13 +300,13 @@ def format_table(results: list[Result], workload: Workload) -> str:
         f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.output_len} output tokens each (greedy, ignore_eos); "
         f"load average {os.getloadavg()[0]:.2f}",
-        f"{'engine':<14}{'seconds':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
+        f"{'engine':<18}{'seconds':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
     ]
     base = next((r for r in results if r.engine == "fleetserve"), None)
     for r in results:
         ratio = base.output_tokens_per_s / r.output_tokens_per_s if base else float("nan")
         lines.append(
-            f"{r.engine:<14}{r.seconds:>10.1f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
+            f"{r.engine:<18}{r.seconds:>10.1f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
         )
     return "\n".join(lines)
 

@@ -199,7 +199,7 @@ def step_async(core: EngineCore, queue: BatchQueue) -> list[EngineCoreOutput]:
         Exception: an unrecoverable error or a dead executor (the caller ends the engine); any
             other step error is recovered from as in the synchronous loop (module doc).
     """
-    from fleetserve.engine.core.engine_core import _tells_runner
+    from fleetserve.engine.core.engine_core import _GRAMMAR_POLL_S, _tells_runner
 
     scheduler = core.scheduler
     outputs: list[EngineCoreOutput] = []
@@ -207,13 +207,12 @@ def step_async(core: EngineCore, queue: BatchQueue) -> list[EngineCoreOutput]:
         # NOTE: a sync step: the schedule below needs the in-flight step's result first.
         outputs += _apply_oldest(core, queue)
     scheduler_output = scheduler.schedule()
-    if scheduler_output.is_empty and not queue:
-        return outputs + core._run_empty_step(scheduler_output)
+    idle = scheduler_output.is_empty and not queue
     if not scheduler_output.is_empty or _tells_runner(
         scheduler_output, scheduler.remote_kv.pending
     ):
         queue.push(scheduler_output, core.executor.execute_model_async(scheduler_output))
-        if not queue.full and not outputs:
+        if not queue.full and not outputs and not idle:
             # NOTE: nothing else in flight: return, so that the next call schedules the next
             # step while this one runs.
             return outputs
@@ -222,6 +221,9 @@ def step_async(core: EngineCore, queue: BatchQueue) -> list[EngineCoreOutput]:
         outputs += scheduler.update_from_output(scheduler_output, ModelRunnerOutput.empty())
     if queue:
         outputs += _apply_oldest(core, queue)
+    if idle and not outputs:
+        # NOTE: only grammars compiling (if any): wait for one instead of spinning.
+        scheduler.structured_output.wait(_GRAMMAR_POLL_S)
     return outputs
 
 

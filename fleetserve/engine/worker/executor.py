@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -186,8 +187,13 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        self._worker_thread: threading.Thread | None = None
+        """The thread that runs every worker call under async scheduling (set on its start)."""
+        self._stopped = False
         self._thread: ThreadPoolExecutor | None = (
-            ThreadPoolExecutor(1, thread_name_prefix="fleetserve-worker")
+            ThreadPoolExecutor(
+                1, thread_name_prefix="fleetserve-worker", initializer=self._on_worker_thread
+            )
             if config.scheduler.async_scheduling
             else None
         )
@@ -206,15 +212,21 @@ class UniProcExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return 1 if self._thread is None else 2
 
+    def _on_worker_thread(self) -> None:
+        self._worker_thread = threading.current_thread()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._thread is not None:
+        if self._thread is not None and threading.current_thread() is not self._worker_thread:
+            # NOTE: behind the steps already submitted, never beside one.
             return self.execute_model_async(scheduler_output).result()
         return self.worker.execute_model(scheduler_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         if self._thread is None:
             return super().execute_model_async(scheduler_output)
-        future = self._thread.submit(self.worker.execute_model, scheduler_output)
+        # NOTE: `self.execute_model` looked up now and called on the worker thread, where it
+        # runs the worker directly (a wrapper set on the instance, e.g. a test's, applies too).
+        future = self._thread.submit(self.execute_model, scheduler_output)
         return StepFuture(future.result)
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -227,6 +239,9 @@ class UniProcExecutor(Executor):
         if self._thread is None:
             self.worker.shutdown()
             return
+        if self._stopped:
+            return  # NOTE: idempotent, as the worker's own shutdown
+        self._stopped = True
         # NOTE: after the steps still queued (their results are dropped), on the worker thread.
         try:
             self._thread.submit(self.worker.shutdown).result()
