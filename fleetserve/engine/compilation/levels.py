@@ -9,9 +9,9 @@ What each level sets in this build:
 | level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile (`compile_min_tokens`) | async scheduling |
 |---|---|---|---|---|
 | O0 | off (`enforce_eager=True`) | the torch reference | none (0) | off |
-| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) | ASYNC_O1 |
-| O2 (default) | decode graphs | the fused C++ kernel | none (0) | ASYNC_O2 |
-| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) | ASYNC_O3 |
+| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) | off |
+| O2 (default) | decode graphs | the fused C++ kernel | none (0) | off |
+| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) | off |
 
 O0 is the debugging level: nothing is compiled (no C++ kernel build, no Inductor) and nothing is
 captured, so a wrong result there is the model's, not an optimisation's. O3 is not the default

@@ -12,9 +12,9 @@ engine core calls between steps so that a dead worker ends the engine even while
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 

@@ -212,6 +212,20 @@ def test_chunked_prefill_mixed_with_decodes(model_dir: Path) -> None:
     assert all(len(t) == 16 for t in results[0].values())
 
 
+def _check_constrained_never_on_placeholders(scheduler: Any) -> None:
+    schedule = scheduler.schedule
+
+    def checked_schedule() -> Any:
+        # NOTE: a constrained request is never scheduled on a placeholder: its bitmask needs
+        # its accepted tokens (the core waited for the step in flight).
+        for request in scheduler.running:
+            if request.structured_output is not None:
+                assert request.num_output_placeholders == 0, request
+        return schedule()
+
+    scheduler.schedule = checked_schedule
+
+
 def test_structured_output_steps_run_synchronously(model_dir: Path) -> None:
     regex = r"[a-d]{3,8}x"
     constrained = StructuredOutputsParams.create(regex=regex)
@@ -225,18 +239,7 @@ def test_structured_output_steps_run_synchronously(model_dir: Path) -> None:
     for async_scheduling in (False, True):
         llm = LLM(str(model_dir), dtype="float32", max_model_len=256,
                   async_scheduling=async_scheduling)  # fmt: skip
-        scheduler = llm.engine_core.scheduler
-        schedule = scheduler.schedule
-
-        def checked_schedule() -> Any:
-            # NOTE: a constrained request is never scheduled on a placeholder: its bitmask
-            # needs its accepted tokens (the core waited for the step in flight).
-            for request in scheduler.running:
-                if request.structured_output is not None:
-                    assert request.num_output_placeholders == 0, request
-            return schedule()
-
-        scheduler.schedule = checked_schedule  # type: ignore[method-assign]
+        _check_constrained_never_on_placeholders(llm.engine_core.scheduler)
         texts.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert texts[0] == texts[1]
 

@@ -35,6 +35,8 @@ def _core(model: Path, **overrides: Any) -> EngineCore:
         "num_kv_blocks": 400,
         "block_size": BLOCK_SIZE,
         "max_model_len": 256,
+        # NOTE: compared step for step with the speculative (synchronous) engine.
+        "async_scheduling": False,
     }
     return EngineCore(EngineConfig.create(str(model), **args, **overrides))
 
