@@ -45,7 +45,7 @@ from fleetserve.engine.quantization.resolve import (
 )
 from fleetserve.envs import Env, env_name, read_env
 
-__all__ = ["EngineArgs"]
+__all__ = ["EngineArgs", "async_scheduling_blockers"]
 
 
 def _arg(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -427,6 +427,40 @@ def _check_expert_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
         )
 
 
+def async_scheduling_blockers(
+    *,
+    speculative: bool,
+    kv_transfer: bool,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    executor_backend: str,
+    dp_lockstep: bool,
+) -> list[tuple[str, str]]:
+    """Why this engine cannot schedule asynchronously (`fleetserve.engine.core.async_scheduling`): (option, reason) pairs, empty if it can.
+
+    Each entry names the option that rules it out, so `--async-scheduling` with it is refused
+    by name (a flag is never accepted and then ignored).
+    """
+    blockers: list[tuple[str, str]] = []
+    if speculative:
+        blockers.append(("speculative_config",
+                         "each step's drafts come from the previous step's output"))  # fmt: skip
+    if kv_transfer:
+        blockers.append(("kv_transfer_config", "a KV connector's per-step metadata and "
+                         "transfer polling need each step's result before the next"))  # fmt: skip
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                       ("pipeline_parallel_size", pipeline_parallel_size)):  # fmt: skip
+        if size > 1:
+            blockers.append((name, "the worker thread runs one in-process rank"))
+    if executor_backend == "mp":
+        blockers.append(("distributed_executor_backend", "async scheduling runs the 'uni' "
+                         "executor's worker thread"))  # fmt: skip
+    if dp_lockstep:
+        blockers.append(("data_parallel_size", "lockstep data parallel runs one forward per "
+                         "wave iteration on every rank"))  # fmt: skip
+    return blockers
+
+
 def _async_scheduling(args: EngineArgs) -> bool | None:
     """The explicit `async_scheduling`, or False where the engine cannot run it (so that the
     level's default applies only where it can; None: the level decides).
@@ -434,8 +468,6 @@ def _async_scheduling(args: EngineArgs) -> bool | None:
     Raises:
         ValueError: `async_scheduling=True` on an engine that cannot run it (names why).
     """
-    from fleetserve.engine.core.async_scheduling import async_scheduling_blockers
-
     blockers = async_scheduling_blockers(
         speculative=args.speculative_config is not None,
         kv_transfer=args.kv_transfer_config is not None,

@@ -17,7 +17,7 @@ O0 is the debugging level: nothing is compiled (no C++ kernel build, no Inductor
 captured, so a wrong result there is the model's, not an optimisation's. O3 is not the default
 because its first start compiles with the machine's C++ compiler (about 15 s on 2 cores; later
 starts load the cache). A level's async-scheduling default applies only to engines that can
-run it (`core.async_scheduling.async_scheduling_blockers`: no speculative decoding, no KV
+run it (`arg_utils.async_scheduling_blockers`: no speculative decoding, no KV
 connector, one rank); an explicit `--async-scheduling` on one that cannot is refused.
 """
 

@@ -38,8 +38,10 @@ step in flight before scheduling (`needs_output_first`) while a constrained requ
 (structured output: its grammar bitmask needs its accepted tokens) is in flight, and while
 step isolation runs suspects alone after a failed step. Speculative decoding (drafts come from
 the previous step's output), KV connectors (per-step transfer metadata and polling), several
-ranks and lockstep data parallel are refused with the flag (`async_scheduling_blockers`); an
-optimization level's default just leaves async scheduling off there.
+ranks and lockstep data parallel are refused with the flag
+(`fleetserve.engine.arg_utils.async_scheduling_blockers`: the API process parses the flag and
+must not import the engine core); an optimization level's default just leaves async
+scheduling off there.
 
 A step that fails with another in flight: both are rolled back (the later one read state the
 failed one should have produced), the later one's requests are preempted and the failed
@@ -63,43 +65,9 @@ if TYPE_CHECKING:
     from fleetserve.engine.core.engine_core import EngineCore
     from fleetserve.engine.core.scheduler import Scheduler
 
-__all__ = ["AsyncRequestState", "async_scheduling_blockers", "step_async"]
+__all__ = ["AsyncRequestState", "step_async"]
 
 logger = logging.getLogger(__name__)
-
-
-def async_scheduling_blockers(
-    *,
-    speculative: bool,
-    kv_transfer: bool,
-    tensor_parallel_size: int,
-    pipeline_parallel_size: int,
-    executor_backend: str,
-    dp_lockstep: bool,
-) -> list[tuple[str, str]]:
-    """Why this engine cannot schedule asynchronously: (option, reason) pairs, empty if it can.
-
-    Each entry names the option that rules it out, so `--async-scheduling` with it is refused
-    by name (a flag is never accepted and then ignored).
-    """
-    blockers: list[tuple[str, str]] = []
-    if speculative:
-        blockers.append(("speculative_config",
-                         "each step's drafts come from the previous step's output"))  # fmt: skip
-    if kv_transfer:
-        blockers.append(("kv_transfer_config", "a KV connector's per-step metadata and "
-                         "transfer polling need each step's result before the next"))  # fmt: skip
-    for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                       ("pipeline_parallel_size", pipeline_parallel_size)):  # fmt: skip
-        if size > 1:
-            blockers.append((name, "the worker thread runs one in-process rank"))
-    if executor_backend == "mp":
-        blockers.append(("distributed_executor_backend", "async scheduling runs the 'uni' "
-                         "executor's worker thread"))  # fmt: skip
-    if dp_lockstep:
-        blockers.append(("data_parallel_size", "lockstep data parallel runs one forward per "
-                         "wave iteration on every rank"))  # fmt: skip
-    return blockers
 
 
 @dataclasses.dataclass(slots=True)
