@@ -94,10 +94,13 @@ def _stream(server: ServerHandle, prompt: list[int]) -> tuple[requests.Response,
     return response, events
 
 
-def _wait_for(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+def _wait_for(condition: Any, what: str, timeout_s: float = 10.0, seen: Any = None) -> None:
+    """Poll `condition` until it holds; the failure names `what` and, if given, `seen()`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        if time.monotonic() >= deadline:
+            last = f"; last seen: {seen()}" if seen is not None else ""
+            raise AssertionError(f"{what} within {timeout_s} s{last}")
         time.sleep(0.05)
 
 
@@ -138,7 +141,8 @@ def test_an_abort_reaches_its_rank_and_the_least_loaded_rank_takes_the_next(
         second, second_events = _stream(dp_server, [8, 9, 10])
         third, _ = _stream(dp_server, [11, 12])
         opened += [first, second, third]
-        _wait_for(lambda: sorted(running().values()) == [1.0, 2.0], "1 and 3 did not share a rank")
+        _wait_for(lambda: sorted(running().values()) == [1.0, 2.0], "1 and 3 did not share a rank",
+                  seen=lambda: (running(), _series(dp_server, "vllm:num_requests_waiting")))  # fmt: skip
         snapshot = running()
         busy = max(snapshot, key=snapshot.__getitem__)
         first.close()  # the client leaves: the server aborts the request on its rank
