@@ -264,15 +264,12 @@ class BlockPool:
     def drop_cached(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Unindex `blocks` (a failed step's, from `take_newly_cached`)."""
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict_hash(block)
+            self._evict_hash(block)
 
     def drop_newly_cached(self) -> None:
         """The step failed: unindex the blocks it indexed (their KV was never, or only partly,
         written, so a later prefix hit on them would read garbage)."""
-        for block in self._newly_cached:
-            self._evict_hash(block)
-        self._newly_cached.clear()
+        self.drop_cached(self.take_newly_cached())
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take shared ownership of `blocks` (prefix hits): revive free ones, bump ref counts."""
