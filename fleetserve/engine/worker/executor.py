@@ -20,8 +20,10 @@ from typing import Any
 
 from fleetserve.engine.config import EngineConfig, ParallelConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from fleetserve.engine.worker.cpu_malloc import tune_cpu_malloc
 from fleetserve.engine.worker.cpu_threads import configure_cpu_threads
 from fleetserve.engine.worker.worker import Worker
+from fleetserve.envs import read_env
 
 
 class ExecutorDeadError(RuntimeError):
@@ -200,6 +202,7 @@ class UniProcExecutor(Executor):
         parallel = config.parallel
         if config.device.device == "cpu":
             configure_cpu_threads(1)
+            tune_cpu_malloc(read_env().cpu_malloc_tuning != 0)
         # NOTE: a lockstep data-parallel rank's one worker is rank `data_parallel_rank` of the
         # world all DP ranks share (tensor × pipeline is 1 here).
         self.worker = Worker(

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from fleetserve.engine.distributed.pod_group import pod_group
+from fleetserve.engine.worker.cpu_malloc import tune_cpu_malloc
 from fleetserve.engine.worker.cpu_threads import configure_cpu_threads
 from fleetserve.engine.worker.worker import Worker
 from fleetserve.envs import read_env
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         group = pod_group(read_env(), config.parallel.world_size_across_dp)
         ranks_here = config.parallel.world_size if group is None else group.ranks_per_pod
         configure_cpu_threads(ranks_here)
+        tune_cpu_malloc(read_env().cpu_malloc_tuning != 0)
     ctx = zmq.Context()
     requests = ctx.socket(zmq.PULL)
     requests.connect(args.requests)
