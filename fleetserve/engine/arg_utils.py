@@ -19,7 +19,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from fleetserve.engine.compilation.levels import DEFAULT_LEVEL, resolve_knobs
+from fleetserve.engine.compilation.levels import DEFAULT_LEVEL, level_defaults, resolve_knobs
 from fleetserve.engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -81,7 +81,7 @@ class EngineArgs:
                                   choices=("auto", "torch", "triton", "flash_attn", "cpu_paged"))  # fmt: skip
     custom_ops: str = _arg("auto", "which of RMSNorm, rotary and SiLU-and-mul run as custom "
                            "kernels: all, none, or +op/-op over the platform default (all on "
-                           "CUDA), e.g. none,+rms_norm (names: rms_norm, rotary, silu_and_mul; "
+                           "CUDA, and on the CPU from -O1), e.g. none,+rms_norm (names: rms_norm, rotary, silu_and_mul; "
                            "triton/torch = all/none)")  # fmt: skip
     enforce_eager: bool | None = _arg(
         None, "never capture CUDA graphs (unset: from the optimization level; -O0 sets it)"
@@ -250,7 +250,11 @@ class EngineArgs:
             self.compile_min_tokens,
             _async_scheduling(self),
         )
-        custom_ops = resolve_custom_ops(self.custom_ops, device)
+        custom_ops = resolve_custom_ops(
+            self.custom_ops,
+            device,
+            cpu_kernels=level_defaults(self.optimization_level).fused_cpu_attention,
+        )
         model_limit = int(hf_config.get("max_position_embeddings", 2048))
         max_model_len = model_limit if self.max_model_len is None else self.max_model_len
         if max_model_len > model_limit:

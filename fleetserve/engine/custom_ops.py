@@ -1,10 +1,11 @@
 """Which fused ops run as custom kernels: `--custom-ops` (vLLM's `custom_ops` semantics).
 
 The value is a comma-separated list: 'all' or 'none' sets the base, '+op' enables and '-op'
-disables one op on top of it; without 'all'/'none' the base is the platform's default (every op
-on CUDA, none on the CPU, where Triton kernels run only in its interpreter). 'auto' is the
-platform default alone; 'triton' and 'torch' are the older spellings of 'all' and 'none'. A
-disabled op runs its torch reference (the layer's eager code).
+disables one op on top of it; without 'all'/'none' the base is the platform's default: every op
+on CUDA (the Triton kernels); on the CPU every op from -O1 up (the fused C++ kernels of
+`fleetserve.kernels.cpu`, float32) and none at -O0. 'auto' is the platform default alone;
+'triton' and 'torch' are the older spellings of 'all' and 'none'. A disabled op runs its torch
+reference (the layer's eager code).
 
 The resolved value (`DeviceConfig.custom_ops`, `LayerContext.custom_ops`) is 'triton' (all),
 'torch' (none) or '+op,+op' naming exactly the enabled ops. The attention backend chooses its own
@@ -21,14 +22,15 @@ CUSTOM_OP_NAMES: tuple[str, ...] = ("rms_norm", "rotary", "silu_and_mul")
 _ALIASES = {"triton": "all", "torch": "none"}
 
 
-def resolve_custom_ops(value: str, device: str) -> str:
-    """The resolved form of a `--custom-ops` value on `device` ('cpu' or 'cuda').
+def resolve_custom_ops(value: str, device: str, cpu_kernels: bool = False) -> str:
+    """The resolved form of a `--custom-ops` value on `device` ('cpu' or 'cuda'); `cpu_kernels`:
+    the optimization level runs the fused CPU kernels by default (the CPU's base is all ops).
 
     Raises:
         ValueError: an unknown item or op name (the message lists the allowed ones).
     """
     items = [item.strip() for item in value.split(",") if item.strip()]
-    base = set(CUSTOM_OP_NAMES) if device == "cuda" else set()
+    base = set(CUSTOM_OP_NAMES) if device == "cuda" or cpu_kernels else set()
     enabled = set(base)
     allowed = ("auto", "all", "none", "torch", "triton")
     for item in items or ["auto"]:

@@ -11,18 +11,25 @@ shape propagation needs no kernel.
 | `reshape_and_cache(key, value, kv_cache, slot_mapping)` | `kernels.reshape_and_cache` | kv_cache |
 
 No op returns a tensor aliasing an input (torch forbids it): ops that work in place return
-nothing and declare what they mutate. The real implementations are the Triton kernels (CUDA, or
-the CPU under `TRITON_INTERPRET=1`); the torch reference of each (`reference.py`) is the engine's
-fallback when an op is not selected (`fleetserve.engine.custom_ops`). The kernel modules are
+nothing and declare what they mutate. The real implementations are the Triton kernels on CUDA;
+for CPU tensors the four switchable ops (all but `reshape_and_cache`) run the fused C++ kernels of
+`fleetserve.kernels.cpu.ops` (float32; the torch reference elsewhere), since Triton runs on the
+CPU only in its interpreter (the Triton kernels are tested there directly). The torch reference
+of each (`reference.py`) is the engine's fallback when an op is not selected
+(`fleetserve.engine.custom_ops`). The kernel modules are
 imported lazily inside the implementations, so importing this module compiles nothing and works
 on every platform.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 __all__ = [
+    "custom_op",
     "fused_add_rms_norm",
     "reshape_and_cache",
     "rms_norm",
@@ -41,6 +48,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+@rms_norm.register_kernel("cpu")
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from fleetserve.kernels.cpu import ops
+
+    return ops.rms_norm(x, weight, eps)
+
+
 @rms_norm.register_fake
 def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
@@ -56,6 +70,15 @@ def fused_add_rms_norm(
     out = kernel(x, weight, eps, residual)
     assert isinstance(out, tuple)
     return out
+
+
+@fused_add_rms_norm.register_kernel("cpu")
+def _fused_add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from fleetserve.kernels.cpu import ops
+
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
 
 
 @fused_add_rms_norm.register_fake
@@ -81,6 +104,20 @@ def rotary_embedding(
     kernel(positions, query, key, cos_cache, sin_cache, is_neox)
 
 
+@rotary_embedding.register_kernel("cpu")
+def _rotary_embedding_cpu(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    from fleetserve.kernels.cpu import ops
+
+    ops.rotary_embedding(positions, query, key, cos_cache, sin_cache, is_neox)
+
+
 @rotary_embedding.register_fake
 def _rotary_embedding_fake(
     positions: torch.Tensor,
@@ -99,6 +136,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from fleetserve.kernels.silu_and_mul import silu_and_mul as kernel
 
     return kernel(x)
+
+
+@silu_and_mul.register_kernel("cpu")
+def _silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    from fleetserve.kernels.cpu import ops
+
+    return ops.silu_and_mul(x)
 
 
 @silu_and_mul.register_fake
@@ -121,3 +165,25 @@ def _reshape_and_cache_fake(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     return None
+
+
+def custom_op(name: str, device: torch.device) -> Callable[..., Any]:
+    """The callable a layer calls for op `name` ('rms_norm', 'fused_add_rms_norm',
+    'rotary_embedding', 'silu_and_mul') on `device`: the registered op (what torch.compile
+    traces) on CUDA; on the CPU its implementation in `fleetserve.kernels.cpu.ops` directly,
+    since the op wrapper's dispatch costs 10-40 µs a call there (more than the fused kernel of a
+    decode step) and nothing compiles the whole model on the CPU.
+
+    Raises:
+        ValueError: an unknown op name.
+    """
+    ops = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+    if name not in ops:
+        raise ValueError(f"name must be one of {ops}, got {name!r}")
+    if device.type == "cpu":
+        from fleetserve.kernels.cpu import ops as cpu_ops
+
+        fn: Callable[..., Any] = getattr(cpu_ops, name)
+        return fn
+    op: Callable[..., Any] = globals()[name]
+    return op

@@ -35,14 +35,17 @@ def test_a_cached_library_is_not_rebuilt(tmp_path: Path, fake_compile: list[Path
     assert not list(library.parent.glob("*.tmp"))  # written under a temporary name, renamed
 
 
-def test_the_key_changes_with_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = tmp_path / "k.cpp"
-    source.write_text("int f() { return 1; }\n")
-    monkeypatch.setattr(build, "SOURCE", source)
-    first = build.build_key("/usr/bin/true")
-    assert build.build_key("/usr/bin/true") == first
-    source.write_text("int f() { return 2; }\n")
-    assert build.build_key("/usr/bin/true") != first
+def test_the_key_changes_with_each_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = (tmp_path / "a.cpp", tmp_path / "b.cpp")
+    for source in sources:
+        source.write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(build, "SOURCES", sources)
+    keys = {build.build_key("/usr/bin/true")}
+    assert build.build_key("/usr/bin/true") in keys
+    for source in sources:
+        source.write_text(source.read_text() + "// changed\n")
+        keys.add(build.build_key("/usr/bin/true"))
+    assert len(keys) == 3
 
 
 def test_no_compiler_and_a_failed_compile_say_why(

@@ -89,7 +89,9 @@ def test_torch_opcheck_schema_fake_and_aliasing(device: torch.device) -> None:
 
 def test_custom_ops_flag_resolves_per_op_over_the_platform_default() -> None:
     assert resolve_custom_ops("auto", "cuda") == "triton"
-    assert resolve_custom_ops("auto", "cpu") == "torch"
+    assert resolve_custom_ops("auto", "cpu") == "torch"  # -O0: eager torch ops
+    assert resolve_custom_ops("auto", "cpu", cpu_kernels=True) == "triton"  # -O1+: the C++ kernels
+    assert resolve_custom_ops("-rotary", "cpu", cpu_kernels=True) == "+rms_norm,+silu_and_mul"
     assert resolve_custom_ops("all", "cpu") == "triton"
     assert resolve_custom_ops("none", "cuda") == "torch"
     assert resolve_custom_ops("triton", "cpu") == "triton"  # the older spellings

@@ -6,12 +6,12 @@ Seed notes part 3 §2.8. A level only fills in the knobs the user left unset (`N
 
 What each level sets in this build:
 
-| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | compile (`compile_min_tokens`) | async scheduling |
-|---|---|---|---|---|
-| O0 | off (`enforce_eager=True`) | the torch reference | none (0) | off |
-| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | none (0) | off |
-| O2 (default) | decode graphs | the fused C++ kernel | none (0) | off |
-| O3 | decode graphs | the fused C++ kernel | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) | off |
+| level | CUDA graphs (`enforce_eager`) | attention on the CPU ('auto') | RMSNorm, rotary, SiLU-and-mul on the CPU (`--custom-ops auto`) | compile (`compile_min_tokens`) | async scheduling |
+|---|---|---|---|---|---|
+| O0 | off (`enforce_eager=True`) | the torch reference | eager torch ops | none (0) | off |
+| O1 | decode graphs | the fused C++ kernel (`cpu_paged`) | the fused C++ kernels | none (0) | off |
+| O2 (default) | decode graphs | the fused C++ kernel | the fused C++ kernels | none (0) | off |
+| O3 | decode graphs | the fused C++ kernel | the fused C++ kernels below the compile range | on the CPU, the elementwise pieces of steps of >= 256 tokens (`pieces.py`) | off |
 
 O0 is the debugging level: nothing is compiled (no C++ kernel build, no Inductor) and nothing is
 captured, so a wrong result there is the model's, not an optimisation's. O3 is not the default
@@ -36,7 +36,8 @@ class LevelDefaults:
     enforce_eager: bool
     """True: never capture CUDA graphs."""
     fused_cpu_attention: bool
-    """True: 'auto' may pick the fused C++ attention on the CPU (else the torch reference)."""
+    """True: 'auto' may pick the fused C++ attention on the CPU (else the torch reference), and
+    `--custom-ops auto` runs RMSNorm, rotary and SiLU-and-mul as the fused C++ kernels there."""
     compile_min_tokens: int
     """On the CPU: steps of at least this many tokens run the compiled pieces (0: none)."""
     async_scheduling: bool = False

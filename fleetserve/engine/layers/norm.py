@@ -2,11 +2,15 @@
 
 `norm(x)` returns the normalised tensor; `norm(x, residual)` first adds `x` to `residual` and
 returns `(normed(x + residual), x + residual)`, so decoder layers carry the residual stream
-without a separate add kernel per sub-block. With the context's triton custom ops the fused kernel
-of `fleetserve.kernels.rms_norm` does the add and the norm in one launch (one read, one write).
+without a separate add kernel per sub-block. With the context's custom op selected the fused
+kernel (Triton's `fleetserve.kernels.rms_norm` on CUDA, `fleetserve.kernels.cpu` on the CPU) does
+the add and the norm in one pass (one read, one write).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +25,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.use_triton = context.use_custom_op("rms_norm")
-        self.pieces = None if self.use_triton else context.pieces
+        self.pieces = context.pieces
+        self.kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        """(rms_norm, fused_add_rms_norm) with the custom op selected."""
+        if self.use_triton:
+            from fleetserve.kernels.custom_ops import custom_op
+
+            self.kernels = (
+                custom_op("rms_norm", context.device),
+                custom_op("fused_add_rms_norm", context.device),
+            )
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=context.dtype, device=context.device),
             requires_grad=False,
@@ -36,16 +49,18 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
-            from fleetserve.kernels import custom_ops
-
-            if residual is None:
-                return custom_ops.rms_norm(x, self.weight, self.eps)
-            return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        # NOTE: the compiled pieces (a step in their range) first, then the custom kernel.
         if self.pieces is not None and self.pieces.applies(x.shape[0]):
             normed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
             normed = self.pieces.rms_norm(x, self.weight, self.eps, residual)
             return normed
+        if self.kernels is not None:
+            norm, add_norm = self.kernels
+            if residual is None:
+                out: torch.Tensor = norm(x, self.weight, self.eps)
+                return out
+            both: tuple[torch.Tensor, torch.Tensor] = add_norm(x, residual, self.weight, self.eps)
+            return both
         if residual is None:
             return self._norm(x)
         # NOTE: the add happens in the activation dtype, exactly where HF adds the residual.

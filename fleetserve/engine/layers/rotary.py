@@ -11,6 +11,7 @@ dict by `fleetserve.engine.models.arch`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -163,10 +164,15 @@ class RotaryEmbedding:
         self, rope: RopeSettings, head_size: int, max_position: int, context: LayerContext
     ) -> None:
         self.use_triton = context.use_custom_op("rotary")
+        self.kernel: Callable[..., None] | None = None
+        if self.use_triton:
+            from fleetserve.kernels.custom_ops import custom_op
+
+            self.kernel = custom_op("rotary_embedding", context.device)
         self.rotary_dim = int(head_size * float(rope.partial_rotary_factor))
         # NOTE: the compiled piece rotates whole heads (partial rotary stays eager).
         full = self.rotary_dim == head_size
-        self.pieces = context.pieces if full and not self.use_triton else None
+        self.pieces = context.pieces if full else None
         self.head_size = head_size
         inv_freq, scaling = compute_inv_freq(rope, self.rotary_dim)
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -182,19 +188,17 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, H, D] and key [T, Hkv, D] by their token positions [T].
 
-        The torch path returns new tensors; the triton path rotates both in place and returns
+        The torch path returns new tensors; the custom op rotates both in place and returns
         them (callers must use the return values either way).
         """
-        if self.use_triton:
-            from fleetserve.kernels.custom_ops import rotary_embedding
-
-            rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
-            return query, key
         if self.pieces is not None and self.pieces.applies(positions.shape[0]):
             rotated: tuple[torch.Tensor, torch.Tensor] = self.pieces.rotary(
                 positions, query, key, self.cos_cache, self.sin_cache, True
             )
             return rotated
+        if self.kernel is not None:
+            self.kernel(positions, query, key, self.cos_cache, self.sin_cache, True)
+            return query, key
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -31,7 +31,6 @@ from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.registry import resolve_model_class
 from fleetserve.engine.quantization.apply import assign_quant_methods, finish_quantization
 from fleetserve.envs import read_env
-from fleetserve.kernels import is_interpreter
 
 if TYPE_CHECKING:
     from fleetserve.engine.compilation.pieces import CompiledPieces
@@ -117,17 +116,15 @@ def build_layer_context(
     tensor-parallel group (None: a single rank), its pipeline stage and its expert-parallel
     group (None: experts are not spread over ranks).
 
+    Custom ops run everywhere: Triton kernels on CUDA, the fused C++ kernels on the CPU
+    (`fleetserve.kernels.custom_ops`).
+
     Raises:
-        ValueError: an unknown dtype, or triton custom ops (or MoE backend) on the CPU outside
-            Triton's interpreter.
+        ValueError: an unknown dtype, or a triton MoE backend on the CPU outside Triton's
+            interpreter.
     """
     device = torch.device(config.device.device)
     custom_ops = config.device.custom_ops
-    if custom_ops != "torch" and device.type != "cuda" and not is_interpreter():
-        raise ValueError(
-            f"custom_ops {custom_ops!r} runs on device 'cpu' only in Triton's interpreter "
-            "(set TRITON_INTERPRET=1), or use custom_ops 'torch'"
-        )
     return LayerContext(
         dtype=torch_dtype(config.model.dtype),
         device=device,

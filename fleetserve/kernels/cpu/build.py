@@ -1,7 +1,8 @@
-"""Build and load the CPU kernels (`paged_attention.cpp`) with the machine's C++ compiler.
+"""Build and load the CPU kernels (`paged_attention.cpp`, `elementwise.cpp`) with the machine's
+C++ compiler, into one shared library.
 
 The shared library is compiled once and cached under `<cache root>/kernels/cpu-<key>/`, where the
-key hashes everything that changes the generated code: the source, the compiler flags and
+key hashes everything that changes the generated code: the sources, the compiler flags and
 version, torch's version and C++ ABI, and the CPU model (the build targets `-march=native`).
 A fresh machine builds at first use (or at `make` set-up, `python -m fleetserve.kernels.cpu`);
 later processes only load. Concurrent first users (test workers, pods on one node) serialise on
@@ -31,7 +32,9 @@ import torch.utils.cpp_extension as cpp_extension
 
 from fleetserve.envs import read_env
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")
+)
 OPS_NAMESPACE = "fleetserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared")
 _BUILD_TIMEOUT_S = 600
@@ -71,7 +74,7 @@ def build_key(compiler: str) -> str:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
     parts = [
-        SOURCE.read_bytes().decode(),
+        *(source.read_bytes().decode() for source in SOURCES),
         " ".join(_FLAGS),
         version,
         torch.__version__,
@@ -91,7 +94,7 @@ def _compile(compiler: str, target: Path) -> None:
         *_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         "-o",
         str(target),
         *[f"-L{d}" for d in lib_dirs],

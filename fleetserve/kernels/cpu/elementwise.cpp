@@ -1,0 +1,227 @@
+// The elementwise pieces between the GEMMs, fused for the CPU: RMSNorm (with the residual add),
+// neox rotary (in place) and SiLU-and-mul. Each is one pass over its rows where eager torch
+// makes three to six (every op a full read and write of the activations, and a dispatch).
+//
+// Registered in the `fleetserve_cpu` namespace beside paged_attention.cpp (one library, built by
+// fleetserve/kernels/cpu/build.py). Float32 only: the bf16/fp16 conversions do not vectorize
+// here, and those dtypes keep the torch ops (fleetserve/kernels/cpu/ops.py chooses). The
+// arithmetic follows the engine's torch code (fleetserve/kernels/reference.py); results differ
+// from it by a few ulp at most: the order of RMSNorm's sum of squares, the exponential (a
+// polynomial here, about one ulp), and multiply-adds fused by the compiler.
+//
+// Work is split over rows with at::parallel_for (torch's pool); the grain keeps small batches
+// (decode steps) on one thread, where waking the pool costs more than the work. A row is always
+// reduced by one thread in one order, so a row's result does not depend on the batch around it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 16;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+// exp(x) for any float x, clamped to [-87, 88] (the float range without denormals or inf):
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error below
+// 2e-7), 2^n from the exponent bits. Written so the compiler vectorizes it (no libm call).
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a CPU tensor [rows, hidden] with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+}
+
+// out = weight * (v * rsqrt(mean(v^2) + eps)) per row, v = x, or x + residual (then also written
+// to `summed`).
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                   double eps, at::Tensor& out, at::Tensor* summed) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const float* xp = x.const_data_ptr<float>();
+  const float* rp = residual ? residual->const_data_ptr<float>() : nullptr;
+  const float* wp = weight.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  float* sp = summed ? summed->mutable_data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  const int64_t os = out.stride(0), ss = summed ? summed->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    float* v = row.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * xs;
+      if (rp != nullptr) {
+        const float* rr = rp + r * rs;
+        float* sr = sp + r * ss;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+          v[i] = sr[i] = xr[i] + rr[i];
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) v[i] = xr[i];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; ++i) sum += v[i] * v[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + feps);
+      float* o = op + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {
+        o[i] = wp[i] * (v[i] * inv);
+      }
+    }
+  });
+}
+
+void rms_norm_checks(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  rms_norm_checks(x, weight, out);
+  rms_norm_impl(x, nullptr, weight, eps, out, nullptr);
+}
+
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps, at::Tensor& out,
+                        at::Tensor& summed) {
+  rms_norm_checks(x, weight, out);
+  check_rows(residual, "residual");
+  check_rows(summed, "summed");
+  TORCH_CHECK(residual.sizes() == x.sizes() && summed.sizes() == x.sizes(),
+              "residual and summed must be shaped like x");
+  rms_norm_impl(x, &residual, weight, eps, out, &summed);
+}
+
+// Neox rotary of x [T, heads, D] in place: the pairs (i, i + D/2) of each head rotate by the
+// angle of their token's position. As the engine's torch code: x * cos + rotate_half(x) * sin,
+// with cos/sin tables [max_position, D] (the halves duplicated).
+void rotate_rows(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0, int64_t s1,
+                 const int64_t* pos, const float* cos_cache, const float* sin_cache, int64_t cs) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_cache + pos[t] * cs;
+      const float* s = sin_cache + pos[t] * cs;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = x + t * s0 + h * s1;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.dim() == 1,
+              "positions must be contiguous int64 [T]");
+  const int64_t tokens = positions.size(0);
+  for (const at::Tensor* t : {&query, &key}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) >= tokens && t->stride(2) == 1,
+                "query and key must be [T, heads, head_size] with contiguous heads");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "query and key must be float32");
+  }
+  const int64_t D = query.size(2);
+  TORCH_CHECK(key.size(2) == D && D % 2 == 0, "query and key need one even head_size");
+  for (const at::Tensor* t : {&cos_cache, &sin_cache}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->stride(1) == 1 &&
+                    t->scalar_type() == at::kFloat,
+                "cos_cache and sin_cache must be float32 [max_position, head_size] rows");
+  }
+  TORCH_CHECK(sin_cache.stride(0) == cos_cache.stride(0), "cos and sin caches must share a layout");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "position ", pos[t],
+                " is outside the cos/sin tables");
+  }
+  const float* c = cos_cache.const_data_ptr<float>();
+  const float* s = sin_cache.const_data_ptr<float>();
+  rotate_rows(query.mutable_data_ptr<float>(), tokens, query.size(1), D, query.stride(0),
+              query.stride(1), pos, c, s, cos_cache.stride(0));
+  rotate_rows(key.mutable_data_ptr<float>(), tokens, key.size(1), D, key.stride(0), key.stride(1),
+              pos, c, s, cos_cache.stride(0));
+}
+
+// out [rows, d] = silu(x[:, :d]) * x[:, d:], silu(g) = g / (1 + exp(-g)).
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  const float* xp = x.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * xs;
+      const float* u = g + d;
+      float* o = op + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        o[i] = g[i] / (1.f + exp_clamped(-g[i])) * u[i];
+      }
+    }
+  });
+}
+
+void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
+              "x must be [rows, 2d] and out [rows, d]");
+  silu_and_mul_impl(x, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fleetserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out, "
+      "Tensor(b!) summed) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_cache, "
+      "Tensor sin_cache) -> ()");
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fleetserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
