@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from fleetserve.common.cpu_threads import choose_threading, read_cpu_budget
+from fleetserve.common.cpu_threads import apply_threading_env, read_cpu_budget
 
 # NOTE: torch's OpenMP workers spin while waiting by default. On a shared or CPU-limited node
 # (a Kubernetes pod under a CFS quota, a 2-core CI box running other processes) spinning burns
@@ -17,11 +17,10 @@ from fleetserve.common.cpu_threads import choose_threading, read_cpu_budget
 # 18.6 s with spinning and 1.4 s with passive waiting under load. The price of passive waiting on
 # an idle machine with dedicated cores: SmolLM2 decode steps ~25% slower (0.48 vs 0.37 s at batch
 # 64). So the policy follows what this process has (`common.cpu_threads`: quota, affinity,
-# load). libgomp reads this once, when torch loads, so it must be set before torch is imported;
-# a user's own setting wins.
-os.environ.setdefault(
-    "OMP_WAIT_POLICY", choose_threading(read_cpu_budget(), os.environ).wait_policy
-)
+# load), spinning only briefly when it spins. libgomp reads this once, when torch loads, so it
+# must be set before torch is imported; a user's own setting wins, and a child process chooses
+# again rather than inherit its parent's choice.
+apply_threading_env(os.environ, read_cpu_budget())
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

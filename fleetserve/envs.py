@@ -61,6 +61,12 @@ class Env:
     plugins: str | None = None
     """The plugin allowlist: comma-separated entry-point names (`fleetserve.plugins.loader`).
     Unset: every general plugin, no server plugin; the empty string: none (kept as a value)."""
+    omp_auto: int | None = None
+    """Set to 1 by fleetserve itself beside the OpenMP variables it chose at start-up
+    (`common.cpu_threads.apply_threading_env`): a child process chooses again."""
+    cpu_malloc_tuning: int | None = None
+    """0: leave glibc's malloc thresholds as they are in engine processes on the CPU; otherwise
+    they are raised so that step activations reuse memory (`engine.worker.cpu_malloc`)."""
     allow_runtime_lora_updating: int | None = None
     """1: the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING); otherwise they answer 400 and only --lora-modules serve."""

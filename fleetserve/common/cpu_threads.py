@@ -10,16 +10,25 @@ what the process actually has:
 - dedicated: no quota below the affinity count, and the 1-minute load average of the machine
   below half the usable cores (other processes are not already using them).
 
-ACTIVE when dedicated, else PASSIVE; the thread count is the usable cores. An explicit
-`OMP_WAIT_POLICY` or `OMP_NUM_THREADS` in the environment always wins. Torch-free: the package
-root reads it before torch is imported (libgomp reads the wait policy once, when it loads).
+ACTIVE when dedicated, else PASSIVE; the thread count is the usable cores. ACTIVE comes with a
+bounded spin (`GOMP_SPINCOUNT`, about 0.1 ms) rather than libgomp's five minutes: long enough to
+bridge the gaps between one step's parallel regions (as fast as unbounded spinning here: a tiny
+model's 64-prompt run 0.50 s either way, 0.63 s passive), short enough that threads stop burning
+a core once the work ends or another process needs the core (two such runs at once: 1.8 s each
+bounded, 2.8 s unbounded, 0.75 s passive).
+
+An explicit `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or `OMP_NUM_THREADS` in the environment always
+wins. Torch-free: the package root applies it before torch is imported (libgomp reads the
+variables once, when it loads), and marks what it set (`FLEETSERVE_OMP_AUTO=1`), so that a child
+process (an engine core spawned by a server) chooses again for itself instead of taking its
+parent's choice for a user's setting.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +79,28 @@ def read_cpu_budget(cgroup_root: Path = Path("/sys/fs/cgroup")) -> CpuBudget:
     except OSError:
         load = 0.0
     return CpuBudget(affinity, _cgroup_quota_cores(cgroup_root), load)
+
+
+AUTO_MARKER = "FLEETSERVE_OMP_AUTO"
+"""Set to 1 beside the OpenMP variables fleetserve chose (`envs.Env.omp_auto`)."""
+ACTIVE_SPIN_COUNT = 10_000
+"""libgomp spins per wait under ACTIVE: about 0.1 ms (libgomp's estimate is 100,000 a ms)."""
+_CHOSEN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def apply_threading_env(environ: MutableMapping[str, str], budget: CpuBudget) -> ThreadingChoice:
+    """Put the wait policy for `budget` into `environ` (and the bounded spin with ACTIVE), unless
+    the user set them; values an earlier fleetserve process chose (marked) are chosen anew."""
+    if environ.get(AUTO_MARKER) == "1":
+        for name in (*_CHOSEN, AUTO_MARKER):
+            environ.pop(name, None)
+    choice = choose_threading(budget, environ)
+    if "OMP_WAIT_POLICY" not in environ:
+        environ["OMP_WAIT_POLICY"] = choice.wait_policy
+        if choice.wait_policy == "ACTIVE" and "GOMP_SPINCOUNT" not in environ:
+            environ["GOMP_SPINCOUNT"] = str(ACTIVE_SPIN_COUNT)
+        environ[AUTO_MARKER] = "1"
+    return choice
 
 
 def choose_threading(budget: CpuBudget, env: Mapping[str, str]) -> ThreadingChoice:

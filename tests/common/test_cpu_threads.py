@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetserve.common.cpu_threads import CpuBudget, choose_threading, read_cpu_budget
+from fleetserve.common.cpu_threads import (
+    ACTIVE_SPIN_COUNT,
+    AUTO_MARKER,
+    CpuBudget,
+    apply_threading_env,
+    choose_threading,
+    read_cpu_budget,
+)
 
 
 def test_dedicated_idle_cores_spin_with_one_thread_each() -> None:
@@ -44,3 +51,25 @@ def test_cgroup_v2_and_v1_quotas_are_read(tmp_path: Path) -> None:
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert read_cpu_budget(v1).quota_cores is None
     assert read_cpu_budget(tmp_path / "absent").affinity_cores >= 1
+
+
+def test_spinning_is_bounded_and_marked_so_a_child_chooses_again() -> None:
+    env: dict[str, str] = {}
+    assert apply_threading_env(env, CpuBudget(8, None, 0.0)).wait_policy == "ACTIVE"
+    assert env == {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "GOMP_SPINCOUNT": str(ACTIVE_SPIN_COUNT),
+        AUTO_MARKER: "1",
+    }
+    # A child inherits env, but its machine is busy now: it waits passively, spin count dropped.
+    assert apply_threading_env(env, CpuBudget(8, None, 7.0)).wait_policy == "PASSIVE"
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", AUTO_MARKER: "1"}
+
+
+def test_a_users_openmp_settings_are_kept_and_not_marked() -> None:
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert apply_threading_env(env, CpuBudget(2, None, 9.0)).wait_policy == "ACTIVE"
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {"GOMP_SPINCOUNT": "0"}
+    apply_threading_env(env, CpuBudget(8, None, 0.0))
+    assert env == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE", AUTO_MARKER: "1"}
