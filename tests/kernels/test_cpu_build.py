@@ -35,11 +35,14 @@ def test_a_cached_library_is_not_rebuilt(tmp_path: Path, fake_compile: list[Path
     assert not list(library.parent.glob("*.tmp"))  # written under a temporary name, renamed
 
 
-def test_the_key_changes_with_each_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_key_changes_with_each_source_and_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sources = (tmp_path / "a.cpp", tmp_path / "b.cpp")
     for source in sources:
         source.write_text("int f() { return 1; }\n")
-    monkeypatch.setattr(build, "SOURCES", sources)
+    monkeypatch.setattr(build, "SOURCES", sources[:1])
+    monkeypatch.setattr(build, "HEADERS", sources[1:])
     keys = {build.build_key("/usr/bin/true")}
     assert build.build_key("/usr/bin/true") in keys
     for source in sources:

@@ -35,6 +35,8 @@ from fleetserve.envs import read_env
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")
 )
+HEADERS = (Path(__file__).with_name("fast_exp.h"),)
+"""Included by the sources: part of the build key, not compiled on their own."""
 OPS_NAMESPACE = "fleetserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared")
 _BUILD_TIMEOUT_S = 600
@@ -74,7 +76,7 @@ def build_key(compiler: str) -> str:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
     parts = [
-        *(source.read_bytes().decode() for source in SOURCES),
+        *(source.read_bytes().decode() for source in (*SOURCES, *HEADERS)),
         " ".join(_FLAGS),
         version,
         torch.__version__,

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,26 +30,6 @@ constexpr int64_t kGrainElements = 1 << 16;
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
-}
-
-// exp(x) for any float x, clamped to [-87, 88] (the float range without denormals or inf):
-// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error below
-// 2e-7), 2^n from the exponent bits. Written so the compiler vectorizes it (no libm call).
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -192,7 +174,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       float* o = op + r * os;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
-        o[i] = g[i] / (1.f + exp_clamped(-g[i])) * u[i];
+        o[i] = g[i] / (1.f + fleetserve_cpu::exp_clamped(-g[i])) * u[i];
       }
     }
   });

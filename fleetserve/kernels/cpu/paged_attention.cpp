@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -31,27 +33,6 @@ namespace {
 template <typename T>
 inline float to_float(T x) {
   return static_cast<float>(x);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the row max), in a form the compiler vectorizes
-// (no libm call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative
-// error below 2e-7, about one float ulp), 2^n by building the exponent bits. Inputs below -87
-// are clamped there (exp = 1.6e-38, negligible next to the max's 1; it keeps 2^n normal).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // One (query row, kv head) item: the `group` query heads that share kv head `kvh` attend over
@@ -108,7 +89,7 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < kv_len; ++i) {
-      s[i] = exp_nonpositive(s[i] - m);
+      s[i] = fleetserve_cpu::exp_clamped(s[i] - m);
       sum += s[i];
     }
     const float inv = 1.f / sum;
