@@ -52,12 +52,27 @@ inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride, int64
 }
 
 // kHeadSize > 0 fixes D at compile time (fully unrolled dot products and updates for the common
-// head sizes); 0 takes D at run time.
-template <typename T, int64_t kHeadSize>
+// head sizes), kGroup > 0 the GQA group; 0 takes either at run time. Measured on the 2-core box
+// (64 rows of 330 tokens, fp32): head size 32, group 2: 0.35 -> 0.20 ms a call with both fixed;
+// head size 64, group 3: 1.0-1.4 -> 0.65-0.75 ms.
+template <typename T, int64_t kHeadSize, int64_t kGroup>
 void attend_item(const float* qf, const T* key_cache, const T* value_cache, int64_t block_stride,
                  int64_t token_stride, const int32_t* blocks, int64_t kv_len, int64_t group,
                  int64_t head_size, int64_t block_size, float* logits, float* acc) {
   const int64_t D = kHeadSize > 0 ? kHeadSize : head_size;
+  const int64_t G = kGroup > 0 ? kGroup : group;
+  // With both fixed, the group's queries and accumulators are local arrays the compiler keeps in
+  // registers across the token loops (through the pointers, it reloads and stores them per row).
+  constexpr bool kFixed = kHeadSize > 0 && kGroup > 0;
+  constexpr int64_t kLocal = kFixed ? kHeadSize * kGroup : 1;
+  float q_local[kLocal], acc_local[kLocal];
+  const float* q = qf;
+  float* a_all = acc;
+  if constexpr (kFixed) {
+    std::copy(qf, qf + kLocal, q_local);
+    q = q_local;
+    a_all = acc_local;
+  }
   const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
   const auto rows_of = [&](const T* cache, int64_t b) { return cache + blocks[b] * block_stride; };
   const auto tokens_in = [&](int64_t b) { return std::min(block_size, kv_len - b * block_size); };
@@ -72,8 +87,8 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
     }
     for (int64_t t = 0; t < n; ++t) {
       const T* k = kb + t * token_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf + g * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(k[d]);
@@ -81,7 +96,7 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < G; ++g) {
     float* s = logits + g * kv_len;
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
@@ -96,7 +111,7 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
 #pragma omp simd
     for (int64_t i = 0; i < kv_len; ++i) s[i] *= inv;
   }
-  std::fill(acc, acc + group * D, 0.f);
+  std::fill(a_all, a_all + G * D, 0.f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * block_size, n = tokens_in(b);
     const T* vb = rows_of(value_cache, b);
@@ -105,13 +120,42 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
     }
     for (int64_t t = 0; t < n; ++t) {
       const T* v = vb + t * token_stride;
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < G; ++g) {
         const float p = logits[g * kv_len + start + t];
-        float* a = acc + g * D;
+        float* a = a_all + g * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
       }
     }
+  }
+  if constexpr (kFixed) std::copy(acc_local, acc_local + kLocal, acc);
+}
+
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, int64_t, int64_t, const int32_t*,
+                          int64_t, int64_t, int64_t, int64_t, float*, float*);
+
+template <typename T, int64_t kHeadSize>
+AttendFn<T> pick_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_item<T, kHeadSize, 1>;
+    case 2: return attend_item<T, kHeadSize, 2>;
+    case 3: return attend_item<T, kHeadSize, 3>;
+    case 4: return attend_item<T, kHeadSize, 4>;
+    case 8: return attend_item<T, kHeadSize, 8>;
+    default: return attend_item<T, kHeadSize, 0>;
+  }
+}
+
+// The compiled-in variant for (head size, GQA group): both fixed for the common shapes (head
+// sizes 32, 64, 128 and groups 1, 2, 3, 4, 8), either one at run time otherwise.
+template <typename T>
+AttendFn<T> pick_attend(int64_t head_size, int64_t group) {
+  switch (head_size) {
+    case 32: return pick_group<T, 32>(group);
+    case 64: return pick_group<T, 64>(group);
+    case 128: return pick_group<T, 128>(group);
+    default: return attend_item<T, 0, 0>;
   }
 }
 
@@ -127,6 +171,7 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
   const int64_t D = head_size;
   const int64_t max_seq_len =
       num_reqs == 0 ? 0 : *std::max_element(seq_lens, seq_lens + num_reqs);
+  const AttendFn<T> attend = pick_attend<T>(D, group);
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * D), acc(group * D), logits(group * max_seq_len);
     int64_t req = 0;
@@ -147,10 +192,6 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
         const T* qh = q + tok * q_stride_tok + (kvh * group + g) * q_stride_head;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * scale;
       }
-      const auto attend = D == 32    ? attend_item<T, 32>
-                          : D == 64  ? attend_item<T, 64>
-                          : D == 128 ? attend_item<T, 128>
-                                     : attend_item<T, 0>;
       attend(qf.data(), key_cache + kvh * D, value_cache + kvh * D, block_stride, token_stride,
              block_table + req * block_table_stride, kv_len, group, D, block_size,
              logits.data(), acc.data());

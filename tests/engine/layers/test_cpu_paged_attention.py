@@ -1,7 +1,9 @@
 """The fused CPU paged attention against the torch reference backend and the float64 oracle.
 
-Odd shapes on purpose: partial last blocks, GQA groups of 1/3/4, a block size that is not a
-power of two's usual 16, head sizes 32/64/80/128 (32, 64 and 128 have compiled-in variants), scattered (non-contiguous) block ids, and steps that
+Odd shapes on purpose: partial last blocks, GQA groups of 1/2/3/4/6/8, a block size that is not
+the usual 16, head sizes 32/64/80/128 (compiled-in variants exist for head sizes 32, 64 and 128
+with groups 1, 2, 3, 4 and 8; the others take either at run time), scattered (non-contiguous)
+block ids, and steps that
 mix chunked prefill rows with decodes; plus the KV write (exact) and the selector's fallback.
 """
 
@@ -72,6 +74,8 @@ CASES = [
     ([3, 1, 2], [5, 6, 0], 4, 4, 80, 5),  # MHA, odd block and head size
     ([1, 17], [33, 3], 8, 1, 32, 8),  # MQA (one kv head), a long chunk
     ([1, 2, 1], [20, 3, 130], 8, 2, 128, 16),  # head size 128 (its compiled-in variant)
+    ([1, 4], [10, 50], 6, 6, 64, 16),  # MHA at a compiled-in head size (group 1 fixed too)
+    ([1, 3, 1], [7, 0, 70], 12, 2, 32, 16),  # group 6: head size fixed, group at run time
 ]
 
 
