@@ -437,9 +437,10 @@ class DeviceConfig:
     attention_backend: str = "auto"
     """'auto', 'torch', 'triton' or 'flash_attn'."""
     custom_ops: str = "torch"
-    """Implementation of RMSNorm, rotary and SiLU-and-mul: 'torch' (eager ops) or 'triton' (the
-    fused kernels of `fleetserve.kernels`); `EngineArgs` resolves 'auto' to triton on
-    CUDA and torch on the CPU."""
+    """Implementation of RMSNorm, rotary and SiLU-and-mul: 'torch' (eager ops), 'triton' (the
+    fused kernels of `fleetserve.kernels`: Triton on CUDA, C++ on the CPU) or '+op,...'
+    (`fleetserve.engine.custom_ops`); `EngineArgs` resolves 'auto' to every fused kernel on CUDA,
+    and on the CPU from `-O1`."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (every step runs eagerly); only meaningful on CUDA."""
     moe_backend: str = "auto"

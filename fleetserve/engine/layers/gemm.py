@@ -12,24 +12,66 @@ GEMMs of a batch-16 SmolLM2 decode step took 34 ms a step that way, 21 ms prepac
 The packed copy is held beside the plain weight (the weight's memory twice on the CPU): the
 plain one stays the parameter that checkpoints, LoRA and the MoE shared expert read. Only the
 loader rewrites weights, and it prepacks after it has written them.
+
+oneDNN builds (and torch's ideep layer caches, 1024 entries each) one primitive per input shape,
+about 0.6 MiB and 0.3-3 ms apiece: a token count it has not seen costs a primitive, and a serving
+engine sees every count up to its token budget (an engine core grew by hundreds of MiB that way
+under a soak). So the rows go to oneDNN padded to a bucket (`onednn_rows`: exact up to
+`EXACT_ROWS`, then four buckets an octave, at most 25% padding): the primitives are bounded by
+the buckets up to the budget, and `warm_up_gemms` builds them all at start-up. Rows are computed
+independently, so the padding changes no real row; it costs little at decode sizes (the weight
+read dominates) and nothing at a full chunked-prefill budget (a bucket).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseGemm", "onednn_linear"]
+__all__ = ["DenseGemm", "onednn_linear", "onednn_rows", "warm_up_gemms"]
+
+logger = logging.getLogger(__name__)
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+EXACT_ROWS = 16
+"""Row counts up to this go to oneDNN as they are (decode batches: one primitive each)."""
+
+
+def onednn_rows(rows: int) -> int:
+    """The bucket `rows` is padded to: `rows` itself up to `EXACT_ROWS`, above it the next of
+    four evenly spaced sizes an octave (16, 20, 24, 28, 32, 40, ..., 2048, 2560, ...)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def onednn_buckets(max_rows: int) -> list[int]:
+    """Every bucket a row count up to `max_rows` is padded to, ascending."""
+    return sorted({onednn_rows(r) for r in range(1, max_rows + 1)})
 
 
 def onednn_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x Wᵀ + b through oneDNN (CPU tensors of one dtype, float32 or bfloat16; `weight` plain
-    [out, in] or prepacked by `torch.ops.mkldnn._reorder_linear_weight`)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    [out, in] or prepacked by `torch.ops.mkldnn._reorder_linear_weight`), the rows padded to
+    their bucket (`onednn_rows`) and the padding dropped from the result."""
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    rows = flat.shape[0]
+    padded = onednn_rows(rows)
+    if padded != rows:
+        buffer = flat.new_empty((padded, in_features))
+        buffer[:rows].copy_(flat)
+        buffer[rows:].zero_()
+        flat = buffer
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 class DenseGemm:
@@ -44,16 +86,33 @@ class DenseGemm:
             and torch.backends.mkldnn.is_available()
         )
         self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
 
     @property
     def prepacked(self) -> bool:
         return self._packed is not None
 
-    def prepack(self, weight: torch.Tensor) -> None:
+    def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Reorder `weight` for oneDNN (no-op elsewhere); later calls must pass this weight,
-        unchanged since."""
+        unchanged since (and `bias`, which `warm_up` computes with)."""
         if self.uses_onednn:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._bias = None if bias is None else bias.detach()
+
+    def warm_key(self) -> tuple[object, ...] | None:
+        """What oneDNN's primitives for this GEMM depend on (None: not prepacked)."""
+        if self._packed is None:
+            return None
+        return (tuple(self._packed.shape), self._packed.dtype, self._bias is not None)
+
+    def warm_up(self, max_rows: int) -> None:
+        """Build the primitive of every bucket up to `max_rows` rows (prepacked GEMMs only)."""
+        if self._packed is None:
+            return
+        in_features = self._packed.shape[1]
+        for rows in onednn_buckets(max_rows):
+            x = torch.zeros(rows, in_features, dtype=self._packed.dtype)
+            onednn_linear(x, self._packed, self._bias)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -63,3 +122,25 @@ class DenseGemm:
         if self.uses_onednn:
             return onednn_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+
+def warm_up_gemms(gemms: Iterable[tuple[DenseGemm, int]]) -> int:
+    """Build the oneDNN primitives of every bucket of each distinct prepacked GEMM shape, each
+    up to its row count, once (layers of one shape share primitives), so that no step pays
+    for one and the engine's memory holds them from the start. Returns the shapes warmed."""
+    largest: dict[tuple[object, ...], tuple[DenseGemm, int]] = {}
+    for gemm, max_rows in gemms:
+        key = gemm.warm_key()
+        if key is not None and (key not in largest or largest[key][1] < max_rows):
+            largest[key] = (gemm, max_rows)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for gemm, max_rows in largest.values():
+            gemm.warm_up(max_rows)
+    if largest:
+        logger.info(
+            "oneDNN GEMMs: %d shapes warmed for their row buckets in %.2f s",
+            len(largest),
+            time.perf_counter() - start,
+        )
+    return len(largest)

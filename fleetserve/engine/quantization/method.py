@@ -56,7 +56,7 @@ class UnquantizedLinearMethod(LinearMethod):
         self.gemm = DenseGemm(device, dtype)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        self.gemm.prepack(layer.weight)
+        self.gemm.prepack(layer.weight, layer.bias)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.gemm(x, layer.weight, bias)

@@ -158,6 +158,29 @@ class ModelRunner:
         """The attention layers' names, in layer order (how KV hooks name them)."""
         return list(self._kv_caches_by_layer)
 
+    def warm_up_gemms(self) -> None:
+        """Build the CPU GEMMs' oneDNN primitives for every row bucket a step can use
+        (`fleetserve.engine.layers.gemm`): the linear layers' up to the token budget, the LM
+        head's up to the sampled rows of a full batch (prompt logprobs' larger ones are built
+        when first used). Nothing to do on CUDA."""
+        from fleetserve.engine.layers.gemm import DenseGemm, warm_up_gemms
+        from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
+
+        assert self.model is not None, "load_model() must run before warm_up_gemms()"
+        scheduler = self.config.scheduler
+        spec = self.config.speculative
+        sampled_rows = scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        gemms: list[tuple[DenseGemm, int]] = []
+        for module in self.model.modules():
+            for owner in (module, getattr(module, "quant_method", None)):
+                gemm = getattr(owner, "gemm", None)
+                if isinstance(gemm, DenseGemm):
+                    rows = scheduler.max_num_batched_tokens
+                    if isinstance(module, ParallelLMHead):
+                        rows = min(rows, sampled_rows)
+                    gemms.append((gemm, rows))
+        warm_up_gemms(gemms)
+
     def warm_up_compiled(self) -> None:
         """Compile (or load from the cache) the torch.compile'd pieces now, with one forward of
         a dummy request in their compile range, so that no request's step waits on Inductor

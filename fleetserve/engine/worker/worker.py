@@ -244,6 +244,7 @@ class Worker:
                 for _ in range(self._num_layers)
             ]
         self.model_runner.bind_kv_caches(kv_caches)
+        self.model_runner.warm_up_gemms()
         self.model_runner.warm_up_compiled()
         if connector is not None:
             names = self.model_runner.attention_layer_names()

@@ -32,7 +32,7 @@ def test_cpu_float32_and_bfloat16_use_onednn_and_others_do_not() -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 576)])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 576), (37, 576), (2, 19, 576)])
 def test_onednn_linear_is_the_float32_product(shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 576, generator=gen)
