@@ -116,6 +116,14 @@ class RouterConfig:
     scrape_interval_s: float = field(
         default=1.0, metadata=_meta("period of the /metrics scrape and health probe of each engine")
     )
+    join_wait_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "a request that finds no usable decode engine while one is joining (discovered, its "
+            "first /metrics scrape not answered yet, e.g. the new engine of a roll) waits this "
+            "long at most for it, then gets a 503; 0: the 503 at once"
+        ),
+    )
     saturation_waiting: int = field(
         default=32,
         metadata=_meta("an engine with this many waiting requests (or a full KV) is saturated"),
@@ -166,7 +174,7 @@ class RouterConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        for name in ("shutdown_delay_s", "shutdown_grace_s"):
+        for name in ("shutdown_delay_s", "shutdown_grace_s", "join_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         for name in ("prefill", "decode", "engine"):

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (forwarded, `fleetserve.router.forward`),
 GET /v1/models (an engine's list), /health (200 only once one real end-to-end generation went
-through the fleet, and while a decode engine is usable), /metrics (`fleetserve:router_*`).
+through the fleet, and while a decode engine is usable or, for `join_wait_s` at most, joining:
+requests wait for a joining engine then, `fleetserve.router.forward`), /metrics
+(`fleetserve:router_*`).
 
 Lifecycle (cleanup context): one client session, the discovery (static lists now, or a
 Kubernetes pod watch), the scraper, and the readiness loop that sends a `max_tokens: 1`
@@ -140,12 +142,23 @@ def _serving(state: RouterState) -> bool:
 
 async def _readiness_loop(state: RouterState) -> None:
     """Keep `state.ready` true only after one generation went through the fleet end to end,
-    and false while no decode engine is usable (then re-check with a new generation)."""
+    and false while no decode engine is usable (then re-check with a new generation), unless
+    one is joining and none has been usable for less than `join_wait_s`: requests wait for the
+    joining one meanwhile, so a roll's hand-over from the old engine to the new one leaves the
+    router ready."""
+    loop = asyncio.get_running_loop()
+    unserved_since: float | None = None
     while True:
         if state.ready and not _serving(state):
-            state.ready = False
-            state.last_ready_error = "no decode engine is usable"
-            logger.warning("router unready: no decode engine is usable")
+            now = loop.time()
+            unserved_since = now if unserved_since is None else unserved_since
+            joining = state.fleet.joining(("decode", "unified"))
+            if not joining or now - unserved_since >= state.config.join_wait_s:
+                state.ready = False
+                state.last_ready_error = "no decode engine is usable"
+                logger.warning("router unready: no decode engine is usable")
+        else:
+            unserved_since = None
         if not state.ready and _serving(state):
             await _check_generation(state)
         await asyncio.sleep(state.config.scrape_interval_s)

@@ -6,7 +6,12 @@ Discovery (static lists or Kubernetes pods, `fleetserve.router.discovery`) calls
 the endpoints of one source; engines that leave are forgotten with their breakers and prefixes.
 A static prefill or decode engine's compatibility hash is learned from its `GET /kv_transfer`
 (the identity of its KV connector); until it is known the engine is not paired. An engine takes
-requests only after one successful scrape. Everything here runs on the router's event loop.
+requests only after one successful scrape, so an engine that joins is scraped at once rather than
+at the next tick: during a roll the operator drains the old engine of a role as soon as the new
+one is Ready, and until the router has scraped the new one it has no engine of that role it may
+use. Until then the engine is *joining* (`joining`); a request that finds no usable engine while
+one joins may wait for the fleet to change (`wait_for_change`, `fleetserve.router.forward`).
+Everything here runs on the router's event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -78,6 +83,12 @@ class Fleet:
         self.prefixes = ApproxPrefixCache(config.prefix_cache_blocks)
         self._pairs: dict[tuple[str, str], CircuitBreaker] = {}
         self._sources: dict[str, set[str]] = {}
+        self._joined: set[str] = set()
+        """Engines that joined since the scraper last looked: it scrapes them at once."""
+        self._wake = asyncio.Event()
+        """Set when an engine joins, to wake the scraper before its next tick."""
+        self._changed = asyncio.Event()
+        """Set (and replaced by a fresh one) whenever which engines are usable may have changed."""
 
     # -- membership -------------------------------------------------------------------------
 
@@ -108,8 +119,11 @@ class Fleet:
                 load=EngineLoad(),
             )
             logger.info("engine %s (%s) joined", url, endpoint.role)
+            self._joined.add(url)
+            self._wake.set()
         self._sources[source] = set(new)
         self._export_engine_counts()
+        self._notify()
 
     def _remove(self, url: str) -> None:
         if self.engines.pop(url, None) is not None:
@@ -132,6 +146,33 @@ class Fleet:
             and (engine.role == "unified" or engine.compatibility_hash is not None)
             and engine.breaker.available()
         )
+
+    def joining(self, roles: Collection[Role], exclude: Collection[str] = ()) -> bool:
+        """Whether an engine of `roles` (and not in `exclude`) was discovered but has not answered
+        its first scrape yet: it may become usable in a moment (a misconfigured one never does,
+        which is why every wait for one is bounded by its caller)."""
+        return any(
+            e.role in roles and not e.scraped and e.url not in exclude
+            for e in self.engines.values()
+        )
+
+    async def wait_for_change(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a change that may make an engine usable or unusable (one
+        joined or left, answered its first scrape, or its breaker changed state). True if one
+        happened, False if the time ran out. Wakes every waiter at once."""
+        if timeout_s <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _notify(self) -> None:
+        # NOTE: a fresh event per change (set, then replaced): every waiter of this change wakes,
+        # and a later waiter waits for the next one instead of finding a stale set event.
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def snapshots(self) -> list[EngineSnapshot]:
         return [
@@ -198,6 +239,7 @@ class Fleet:
         # exports them each interval, which covers an open breaker's cooldown ending).
         if breaker.state != before:
             self._export_engine_counts()
+            self._notify()
 
     def _export_engine_counts(self) -> None:
         counts: dict[tuple[str, str], int] = {
@@ -211,19 +253,32 @@ class Fleet:
     # -- scraping ---------------------------------------------------------------------------
 
     async def run_scraper(self, session: aiohttp.ClientSession) -> None:
-        """Scrape every engine each `scrape_interval_s` until cancelled. Each engine's scrape
-        runs on its own, so a stalled engine (its scrape waiting for the timeout) delays no
-        other engine's; an engine is not scraped again while its last scrape runs."""
+        """Scrape every engine each `scrape_interval_s` until cancelled, and an engine that joins
+        at once (see the module docstring). Each engine's scrape runs on its own, so a stalled
+        engine (its scrape waiting for the timeout) delays no other engine's; an engine is not
+        scraped again while its last scrape runs."""
+        loop = asyncio.get_running_loop()
         running: dict[str, asyncio.Task[None]] = {}
+        next_tick = loop.time()
+        self._wake = asyncio.Event()  # this loop's (an asyncio.Event binds to its first loop)
         try:
             while True:
                 for url in [u for u, t in running.items() if t.done()]:
                     del running[url]
+                tick = loop.time() >= next_tick
                 for engine in list(self.engines.values()):
-                    if engine.url not in running:
+                    due = tick or engine.url in self._joined
+                    if due and engine.url not in running:
                         running[engine.url] = asyncio.create_task(self._scrape(session, engine))
-                self._export_engine_counts()
-                await asyncio.sleep(self.config.scrape_interval_s)
+                self._joined.clear()
+                if tick:
+                    self._export_engine_counts()
+                    next_tick = loop.time() + self.config.scrape_interval_s
+                # NOTE: cleared here, with no await since the joined engines were taken above,
+                # so a join can neither be missed nor wake the loop twice.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, next_tick - loop.time()))
         finally:
             for task in running.values():
                 task.cancel()
@@ -251,7 +306,12 @@ class Fleet:
                     self._outcome(engine.breaker, False, engine.role)
             return
         engine.load = load
+        first = not engine.scraped
         engine.scraped = True
+        if first and self.engines.get(engine.url) is engine:
+            logger.info("engine %s (%s) answered its first scrape", engine.url, engine.role)
+            self._export_engine_counts()
+            self._notify()
         if engine.problem is not None:
             logger.info("engine %s answers its scrapes again", engine.url)
             engine.problem = None

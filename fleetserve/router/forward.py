@@ -18,6 +18,12 @@ Contract (ARCHITECTURE.md, P/D request protocol):
   before its first token (a KV load that failed) is still retried; once bytes reach the client
   nothing is replayed (`fleetserve.router.app` ends a broken stream with an error event). At
   most `MAX_ATTEMPTS` decisions per request.
+- No usable decode engine: 503, unless a decode (or unified) engine is joining (discovered, its
+  first scrape not answered yet; `Fleet.joining`). Then the request waits for the fleet to
+  change, `join_wait_s` at most in all, and is decided again; the wait is no attempt. This is
+  the moment of a roll when the operator has drained the old engine because the new one is
+  Ready, and the router has not scraped the new one yet: a gap of a scrape's length that would
+  otherwise fail every request arriving in it. Every engine saturated is a 429 at once.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ from fleetserve.common.error_codes import KV_TRANSFER_FAILED
 from fleetserve.openai.errors import error_body
 from fleetserve.router.fleet import Fleet
 from fleetserve.router.metrics import RouterMetrics
-from fleetserve.router.policy import Decision, NoEngineAvailable, RoutingPolicy, RoutingRequest
+from fleetserve.router.policy import (
+    Decision,
+    NoEngineAvailable,
+    Role,
+    RoutingPolicy,
+    RoutingRequest,
+)
 
 __all__ = ["MAX_ATTEMPTS", "PATHS", "Answer", "Forwarder", "Stream"]
 
@@ -47,6 +59,8 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = {"Content-Type": "application/json"}
 _CLIENT_ERRORS_PASSED_ON = frozenset(range(400, 500)) - {408, 429}
+_DECODE_ROLES: tuple[Role, ...] = ("decode", "unified")
+"""The roles that can take a request's decode (the policy's decode candidates)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +135,9 @@ class Forwarder:
         exclude_p: set[str] = set()
         exclude_pairs: set[tuple[str, str]] = set()
         last: str | None = None
-        for _ in range(MAX_ATTEMPTS):
+        join_deadline: float | None = None
+        attempts = 0
+        while attempts < MAX_ATTEMPTS:
             request = replace(
                 base,
                 exclude_decode=exclude_d,
@@ -133,8 +149,21 @@ class Forwarder:
             except NoEngineAvailable as exc:
                 if exc.saturated:
                     return _error(429, f"{exc}; retry later", retry_after_s=1)
-                message = str(exc) if last is None else f"{exc}; the last attempt: {last}"
+                if join_deadline is None:
+                    join_deadline = time.monotonic() + self.config.join_wait_s
+                joining = self.fleet.joining(_DECODE_ROLES, exclude_d)
+                if joining and await self.fleet.wait_for_change(join_deadline - time.monotonic()):
+                    continue  # decide again: the joining engine may be usable now
+                message = str(exc)
+                if joining and self.config.join_wait_s > 0:
+                    message += (
+                        f"; no joining decode engine became usable within "
+                        f"{self.config.join_wait_s:g} s"
+                    )
+                if last is not None:
+                    message += f"; the last attempt: {last}"
                 return _error(503, message, retry_after_s=1)
+            attempts += 1
             self.metrics.decisions.labels(decision.kind, decision.reason).inc()
             kv: dict[str, Any] | None = None
             if decision.prefill_url is not None:

@@ -33,6 +33,8 @@ class FakeEngine:
     running: float = 0.0
     kv_usage: float = 0.0
     metrics_ok: bool = True
+    metrics_delay_s: float = 0.0
+    """How long /metrics takes to answer (a scrape in flight while a test acts)."""
     adapters: list[str] = field(default_factory=list)
     """LoRA adapters /v1/models lists (with `parent` "m"); tests may change it while serving."""
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -74,6 +76,7 @@ class FakeEngine:
         return sum(1 for b in self.requests if kind_of(b) == kind)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.metrics_delay_s)
         if not self.metrics_ok or self.mode == "hang":
             if self.mode == "hang":
                 await asyncio.sleep(3600)

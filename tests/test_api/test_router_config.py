@@ -112,6 +112,7 @@ def test_field_names_match_the_api() -> None:
         ({**PD, "min_uncached_tokens": -1}, "min_uncached_tokens must be >= 0"),
         ({**PD, "port": 0}, r"port must be in 1\.\.65535"),
         ({**PD, "engine_port": 70000}, r"engine_port must be in 1\.\.65535"),
+        ({**PD, "join_wait_s": -1.0}, "join_wait_s must be >= 0 seconds"),
         ({"prefill_selector": "a"}, "prefill_selector and decode_selector, or unified_selector"),
         ({**PD, "unified_selector": "u"}, "unified_selector alone"),
         ({}, "unified_selector alone"),
