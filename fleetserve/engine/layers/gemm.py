@@ -18,7 +18,8 @@ about 0.6 MiB and 0.3-3 ms apiece: a token count it has not seen costs a primiti
 engine sees every count up to its token budget (an engine core grew by hundreds of MiB that way
 under a soak). So the rows go to oneDNN padded to a bucket (`onednn_rows`: exact up to
 `EXACT_ROWS`, then four buckets an octave, at most 25% padding): the primitives are bounded by
-the buckets up to the budget, and `warm_up_gemms` builds them all at start-up. Rows are computed
+the buckets up to the budget, and `warm_up_gemms` builds those up to `WARM_UP_MAX_ROWS` at start-up
+(a larger bucket is built when first used, a few ms beside a GEMM that long). Rows are computed
 independently, so the padding changes no real row; it costs little at decode sizes (the weight
 read dominates) and nothing at a full chunked-prefill budget (a bucket).
 """
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_ROWS = 16
 """Row counts up to this go to oneDNN as they are (decode batches: one primitive each)."""
+WARM_UP_MAX_ROWS = 512
+"""`warm_up_gemms` builds the buckets up to this many rows. The warm-up computes each bucket's GEMM
+once: for a 7B model's four layer shapes, every bucket up to a 2048-token budget is about 5 TFLOP
+(10 s on 2 cores), up to 512 about 1.4; above 512 rows building a primitive (at most 3.6 ms seen)
+is small beside the step's own GEMMs."""
 
 
 def onednn_rows(rows: int) -> int:
@@ -126,10 +132,12 @@ class DenseGemm:
 
 def warm_up_gemms(gemms: Iterable[tuple[DenseGemm, int]]) -> int:
     """Build the oneDNN primitives of every bucket of each distinct prepacked GEMM shape, each
-    up to its row count, once (layers of one shape share primitives), so that no step pays
-    for one and the engine's memory holds them from the start. Returns the shapes warmed."""
+    up to its row count (at most `WARM_UP_MAX_ROWS`), once (layers of one shape share
+    primitives), so that no decode or short step pays for one and the engine's memory holds
+    them from the start. Returns the shapes warmed."""
     largest: dict[tuple[object, ...], tuple[DenseGemm, int]] = {}
-    for gemm, max_rows in gemms:
+    for gemm, wanted in gemms:
+        max_rows = min(wanted, WARM_UP_MAX_ROWS)
         key = gemm.warm_key()
         if key is not None and (key not in largest or largest[key][1] < max_rows):
             largest[key] = (gemm, max_rows)

@@ -159,10 +159,10 @@ class ModelRunner:
         return list(self._kv_caches_by_layer)
 
     def warm_up_gemms(self) -> None:
-        """Build the CPU GEMMs' oneDNN primitives for every row bucket a step can use
-        (`fleetserve.engine.layers.gemm`): the linear layers' up to the token budget, the LM
-        head's up to the sampled rows of a full batch (prompt logprobs' larger ones are built
-        when first used). Nothing to do on CUDA."""
+        """Build the CPU GEMMs' oneDNN primitives for the row buckets a step can use
+        (`fleetserve.engine.layers.gemm`, up to its `WARM_UP_MAX_ROWS`): the linear layers' up
+        to the token budget, the LM head's up to the sampled rows of a full batch (larger ones
+        are built when first used). Nothing to do on CUDA."""
         from fleetserve.engine.layers.gemm import DenseGemm, warm_up_gemms
         from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
 

@@ -13,6 +13,7 @@ import torch
 
 from fleetserve.engine.layers.gemm import (
     EXACT_ROWS,
+    WARM_UP_MAX_ROWS,
     DenseGemm,
     onednn_buckets,
     onednn_linear,
@@ -92,3 +93,23 @@ def test_padding_changes_no_real_row() -> None:
     assert torch.equal(onednn_linear(padded, weight)[:37], onednn_linear(x, weight))
     assert torch.equal(whole, gemm(padded, weight, None)[:37])
     torch.testing.assert_close(whole, x @ weight.t(), atol=2e-4, rtol=1e-5)
+
+
+class _RecordingGemm(DenseGemm):
+    def __init__(self) -> None:
+        super().__init__(CPU, torch.float32)
+        self.warmed: list[int] = []
+
+    def warm_up(self, max_rows: int) -> None:
+        self.warmed.append(max_rows)
+
+
+@needs_onednn
+def test_the_warm_up_takes_each_shape_once_with_its_largest_rows_up_to_the_cap() -> None:
+    small, large, other = _RecordingGemm(), _RecordingGemm(), _RecordingGemm()
+    small.prepack(torch.zeros(8, 16))
+    large.prepack(torch.zeros(8, 16))
+    other.prepack(torch.zeros(8, 16), torch.zeros(8))  # a bias: other primitives
+    assert warm_up_gemms([(small, 40), (large, 4096), (other, 100)]) == 2
+    # The largest wanted rows of a shape, capped: bigger buckets are built on first use.
+    assert (small.warmed, large.warmed, other.warmed) == ([], [WARM_UP_MAX_ROWS], [100])
