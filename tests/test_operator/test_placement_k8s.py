@@ -203,9 +203,15 @@ def test_too_few_gpus_names_the_unschedulable_groups_until_nodes_arrive(
     try:
         pool.add(2)
         env.apply(ns, _doc(pool.role(2, 2, tensor=2), pool.role(1, 8, tensor=8, pipeline=2)))
+        # NOTE: the condition names each group once the scheduler has judged its pods; on a busy
+        # machine group 1's may come a poll after group 0's, so wait for both to be named.
         stuck = poll(
-            "Unschedulable=True",
-            lambda: (c := _condition(env, ns, "Unschedulable")).get("status") == "True" and c,
+            "Unschedulable=True naming both prefill groups",
+            lambda: (
+                (c := _condition(env, ns, "Unschedulable")).get("status") == "True"
+                and "prefill group 1: " in c.get("message", "")
+                and c
+            ),
             timeout_s=60,
         )
         message = stuck["message"]
