@@ -37,7 +37,7 @@ from fleetserve.router.discovery import run_discovery
 from fleetserve.router.fleet import Fleet
 from fleetserve.router.forward import Answer, Forwarder, Stream
 from fleetserve.router.metrics import RouterMetrics
-from fleetserve.router.policy import RoutingPolicy, RoutingRequest
+from fleetserve.router.policy import DECODE_ROLES, RoutingPolicy, RoutingRequest
 from fleetserve.router.prompt import prompt_request
 
 __all__ = ["READY_PROMPT", "STATE_KEY", "RouterState", "create_app"]
@@ -135,8 +135,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 def _serving(state: RouterState) -> bool:
     return any(
-        e.role in ("decode", "unified") and state.fleet.usable(e)
-        for e in state.fleet.engines.values()
+        e.role in DECODE_ROLES and state.fleet.usable(e) for e in state.fleet.engines.values()
     )
 
 
@@ -152,7 +151,7 @@ async def _readiness_loop(state: RouterState) -> None:
         if state.ready and not _serving(state):
             now = loop.time()
             unserved_since = now if unserved_since is None else unserved_since
-            joining = state.fleet.joining(("decode", "unified"))
+            joining = state.fleet.joining(DECODE_ROLES)
             if not joining or now - unserved_since >= state.config.join_wait_s:
                 state.ready = False
                 state.last_ready_error = "no decode engine is usable"
@@ -252,7 +251,7 @@ def _tokenize_url(state: RouterState) -> str | None:
     """The least busy usable decode or unified engine (all serve the same tokenizer)."""
     engines = [
         e for e in state.fleet.engines.values()
-        if e.role in ("decode", "unified") and state.fleet.usable(e)
+        if e.role in DECODE_ROLES and state.fleet.usable(e)
     ]  # fmt: skip
     return min(engines, key=lambda e: e.in_flight).url if engines else None
 

@@ -43,9 +43,9 @@ from fleetserve.openai.errors import error_body
 from fleetserve.router.fleet import Fleet
 from fleetserve.router.metrics import RouterMetrics
 from fleetserve.router.policy import (
+    DECODE_ROLES,
     Decision,
     NoEngineAvailable,
-    Role,
     RoutingPolicy,
     RoutingRequest,
 )
@@ -59,8 +59,6 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = {"Content-Type": "application/json"}
 _CLIENT_ERRORS_PASSED_ON = frozenset(range(400, 500)) - {408, 429}
-_DECODE_ROLES: tuple[Role, ...] = ("decode", "unified")
-"""The roles that can take a request's decode (the policy's decode candidates)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +149,7 @@ class Forwarder:
                     return _error(429, f"{exc}; retry later", retry_after_s=1)
                 if join_deadline is None:
                     join_deadline = time.monotonic() + self.config.join_wait_s
-                joining = self.fleet.joining(_DECODE_ROLES, exclude_d)
+                joining = self.fleet.joining(DECODE_ROLES, exclude_d)
                 if joining and await self.fleet.wait_for_change(join_deadline - time.monotonic()):
                     continue  # decide again: the joining engine may be usable now
                 message = str(exc)

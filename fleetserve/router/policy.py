@@ -38,6 +38,7 @@ from fleetserve.common.block_hash import BlockHash
 from fleetserve.router.prefix_cache import ApproxPrefixCache
 
 __all__ = [
+    "DECODE_ROLES",
     "Decision",
     "DecisionKind",
     "EngineLoad",
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 Role = Literal["prefill", "decode", "unified"]
+DECODE_ROLES: tuple[Role, ...] = ("decode", "unified")
+"""The roles that can take a request's decode (the policy's decode candidates)."""
 DecisionKind = Literal["disaggregated", "decode_only", "colocated"]
 
 LOAD_WEIGHT = 0.5
@@ -205,9 +208,7 @@ class RoutingPolicy:
         """
         self._turn += 1
         candidates = [
-            e
-            for e in engines
-            if e.role in ("decode", "unified") and e.url not in request.exclude_decode
+            e for e in engines if e.role in DECODE_ROLES and e.url not in request.exclude_decode
         ]
         usable = with_adapter([e for e in candidates if e.available], request.adapter)
         if not usable:
