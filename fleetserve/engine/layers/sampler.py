@@ -135,6 +135,24 @@ def build_sampling_metadata(
     )
 
 
+def samples_by_argmax(params: SamplingParams) -> bool:
+    """Whether the sampler's token for a request is exactly the argmax of its raw logits, so
+    that a step whose rows all are may skip `build_sampling_metadata` and the sampler: greedy,
+    with no logprobs, no structured output, and nothing of step 3 that edits the logits
+    (allowed ids, logit_bias, min_tokens, penalties)."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and not params.allowed_token_ids
+        and not params.logit_bias
+        and params.min_tokens <= 0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+    )
+
+
 def _max_num_logprobs(params: list[SamplingParams]) -> int | None:
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if not wanted:

@@ -38,6 +38,8 @@ class CachedRequestState:
     recomputed prompt reports none twice)."""
     lora_request: LoRARequest | None = None
     """The adapter it runs under (None: the base model)."""
+    by_argmax: bool = False
+    """Its token is the argmax of its raw logits (`samples_by_argmax` of its sampling params)."""
 
     @property
     def num_tokens(self) -> int:

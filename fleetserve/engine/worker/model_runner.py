@@ -41,7 +41,12 @@ from fleetserve.engine.kv_transfer.connector_meta import P2PMetadata
 from fleetserve.engine.layers.attention.layer import attention_layers
 from fleetserve.engine.layers.forward_context import ForwardContext, KVLayerHooks
 from fleetserve.engine.layers.layer_context import LayerContext
-from fleetserve.engine.layers.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from fleetserve.engine.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    build_sampling_metadata,
+    samples_by_argmax,
+)
 from fleetserve.engine.models.arch import ModelArch
 from fleetserve.engine.models.interface import CausalLM
 from fleetserve.engine.models.loader import load_model
@@ -404,18 +409,23 @@ class ModelRunner:
                 for token_id in token_ids:
                     self._append_token(state, token_id)
             return sampled, logprobs
-        metadata = self._sampling_metadata(states)
-        metadata.grammar_bitmask = batch_bitmask(
-            grammar_bitmask, [s.req_id for s in states], self.device
-        )
-        output = self.sampler(logits, metadata)
-        for row, (state, token_id) in enumerate(
-            zip(states, output.sampled_token_ids.tolist(), strict=True)
-        ):
+        output = None
+        if grammar_bitmask is None and all(state.by_argmax for state in states):
+            # NOTE: what the sampler would compute for these rows, without building its
+            # per-row metadata (about 100 us a step at 64 rows on the CPU).
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            metadata = self._sampling_metadata(states)
+            metadata.grammar_bitmask = batch_bitmask(
+                grammar_bitmask, [s.req_id for s in states], self.device
+            )
+            output = self.sampler(logits, metadata)
+            token_ids = output.sampled_token_ids.tolist()
+        for row, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
             sampled[inputs.sample_req_indices[row]] = [int(token_id)]
             self._append_token(state, int(token_id))
             k = state.sampling_params.logprobs
-            if k is not None and output.logprobs is not None:
+            if k is not None and output is not None and output.logprobs is not None:
                 logprobs[state.req_id] = logprobs_row(output.logprobs, row, k, self.vocab_size)
         return sampled, logprobs
 
@@ -479,6 +489,7 @@ class ModelRunner:
             eos_token_ids=new.eos_token_ids,
             num_prompt_logprobs=num_prompt_logprobs,
             lora_request=new.lora_request,
+            by_argmax=samples_by_argmax(new.sampling_params),
         )
 
     def _sync_tokens(self, state: CachedRequestState, new_token_ids: list[int]) -> None:

@@ -12,6 +12,7 @@ from fleetserve.engine.layers.sampler import (
     Sampler,
     SamplingMetadata,
     build_sampling_metadata,
+    samples_by_argmax,
 )
 from fleetserve.engine.sampling_params import SamplingParams
 
@@ -63,6 +64,35 @@ def test_temperature_zero_is_exact_argmax_without_nan() -> None:
     assert not probs.isnan().any()
     out = Sampler()(logits[:3], mixed)
     assert out.sampled_token_ids[:2].tolist() == logits[:2].argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"temperature": 0.7},
+        {"logprobs": 0},
+        {"structured_outputs": {"regex": "a+"}},
+        {"allowed_token_ids": [3]},
+        {"logit_bias": {3: 5.0}},
+        {"min_tokens": 2},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+    ],
+)
+def test_samples_by_argmax_only_when_nothing_edits_the_greedy_logits(
+    changes: dict[str, Any],
+) -> None:
+    """The runner skips the sampler for rows this accepts: each option that makes the sampler
+    differ from the raw argmax must turn it off (a new option belongs in this list)."""
+    vocab_size = 64
+    logits = torch.randn(1, vocab_size, generator=torch.Generator().manual_seed(1))
+    plain = sp(temperature=0.0)
+    assert samples_by_argmax(plain) and samples_by_argmax(sp(temperature=0.0, seed=3, n=2))
+    assert Sampler()(logits, make_metadata([plain], vocab_size=vocab_size)).sampled_token_ids[
+        0
+    ] == int(logits.argmax())
+    assert not samples_by_argmax(plain.clone(**changes))
 
 
 def test_caller_logits_are_not_modified() -> None:
