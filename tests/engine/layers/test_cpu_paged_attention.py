@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,51 @@ def test_fused_equals_torch_reference_and_oracle(case: int, dtype: torch.dtype) 
         q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale, 1 << 30, whole
     )
     torch.testing.assert_close(whole, oracle, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_size", "fused"),
+    [
+        (torch.float32, 4, 2, 32, True),  # float32 GQA: the kernel's walk beats SDPA
+        (torch.float32, 12, 2, 64, True),
+        (torch.float32, 4, 4, 32, False),  # no group: SDPA reuses each key row better
+        (torch.float32, 6, 2, 40, False),  # head size not a multiple of 16
+        (torch.bfloat16, 4, 2, 32, False),
+    ],
+)
+def test_long_prefill_chunks_go_where_they_were_measured_faster(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    fused: bool,
+) -> None:
+    """A 40-token chunk beside a decode: through the kernel, or through the SDPA path."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        fused = False
+    query_lens, context_lens = [40, 1], [20, 33]
+    cache, q, k, v, table, slots = _random_step(
+        random.Random(9), query_lens, context_lens, heads, kv_heads, head_size, 16, dtype
+    )
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    metadata = build_attention_metadata(query_lens, seq_lens, table, slots, 16, CPU)
+    backend = CpuPagedAttentionBackend(heads, kv_heads, head_size)
+    sdpa_rows: list[int] = []
+    reference_prefill = backend._prefill
+
+    def counting_prefill(query: torch.Tensor, *args: Any) -> torch.Tensor:
+        sdpa_rows.append(query.shape[0])
+        return reference_prefill(query, *args)
+
+    monkeypatch.setattr(backend, "_prefill", counting_prefill)
+    out = backend.forward(q, k, v, cache, metadata, head_size**-0.5)
+    assert sdpa_rows == ([] if fused else [40])
+    oracle = paged_attention_ref(
+        q, cache, metadata.query_start_loc, metadata.seq_lens, table, head_size**-0.5
+    )
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, oracle, atol=tol, rtol=tol)
 
 
 def test_padding_rows_write_nothing_and_read_as_zero() -> None:
