@@ -100,10 +100,7 @@ def build_sampling_metadata(
 
     greedy = [p.is_greedy for p in params]
     use_top_k = any(0 < p.top_k < vocab_size for p in params)
-    no_penalties = all(
-        p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-        for p in params
-    )
+    no_penalties = not any(_has_penalties(p) for p in params)
     return SamplingMetadata(
         temperature=floats([p.temperature for p in params]),
         all_greedy=all(greedy),
@@ -147,9 +144,16 @@ def samples_by_argmax(params: SamplingParams) -> bool:
         and not params.allowed_token_ids
         and not params.logit_bias
         and params.min_tokens <= 0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
+        and not _has_penalties(params)
+    )
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    """Whether any of the presence, frequency or repetition penalties is set."""
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
     )
 
 
