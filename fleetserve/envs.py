@@ -67,6 +67,10 @@ class Env:
     cpu_malloc_tuning: int | None = None
     """0: leave glibc's malloc thresholds as they are in engine processes on the CPU; otherwise
     they are raised so that step activations reuse memory (`engine.worker.cpu_malloc`)."""
+    cpu_small_gemm: int | None = None
+    """0: every float32 GEMM on the CPU goes to oneDNN; otherwise those of at most
+    `SMALL_GEMM_MAX_ROWS` rows (decode steps) run the small-row kernel where the CPU has
+    AVX-512 (`engine.layers.gemm`)."""
     allow_runtime_lora_updating: int | None = None
     """1: the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING); otherwise they answer 400 and only --lora-modules serve."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetserve.engine.layers.gemm import DenseGemm
+from fleetserve.engine.layers.gemm import onednn_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +23,8 @@ class Roofline:
     bandwidth_gb_s: float
     """Copy bandwidth (bytes read + written per second), 1e9 units."""
     gemm_gflop_s: float
-    """Square-matmul rate in the engine's dtype, 1e9 FLOP/s: the faster of torch's `mm` and the
-    engine's dense GEMM (`fleetserve.engine.layers.gemm`; oneDNN on the CPU)."""
+    """Square-matmul rate in the engine's dtype, 1e9 FLOP/s: the faster of torch's `mm` and, on
+    the CPU, oneDNN with the weight prepacked (`fleetserve.engine.layers.gemm`)."""
 
     def step_seconds(self, weight_bytes: int, weight_count: int, tokens: int) -> float:
         """The fastest possible step that reads `weight_bytes` once and multiplies `tokens` rows
@@ -88,10 +88,9 @@ def measure_roofline(
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    gemm = DenseGemm(device, dtype)
-    gemm.prepack(b)
-    mm_s = min(
-        _best_seconds(lambda: a @ b, device, reps),
-        _best_seconds(lambda: gemm(a, b, None), device, reps),
-    )
+    mm_s = _best_seconds(lambda: a @ b, device, reps)
+    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if onednn and dtype in (torch.float32, torch.bfloat16):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b)
+        mm_s = min(mm_s, _best_seconds(lambda: onednn_linear(a, packed), device, reps))
     return Roofline(bandwidth_gb_s=2 * numel * 4 / copy_s / 1e9, gemm_gflop_s=2 * n**3 / mm_s / 1e9)

@@ -22,6 +22,15 @@ the buckets up to the budget, and `warm_up_gemms` builds those up to `WARM_UP_MA
 (a larger bucket is built when first used, a few ms beside a GEMM that long). Rows are computed
 independently, so the padding changes no real row; it costs little at decode sizes (the weight
 read dominates) and nothing at a full chunked-prefill budget (a bucket).
+
+Decode steps are the exception. In float32 on a CPU with AVX-512, GEMMs of at most
+`SMALL_GEMM_MAX_ROWS` rows run `fleetserve/kernels/cpu/small_gemm.cpp`, which streams its own
+packing of the weight while it computes (oneDNN's kernels leave the memory idle while they
+compute: a batch-32 SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it). Its
+packed copy takes the place of oneDNN's, so the weights still take twice their size, and oneDNN
+then computes longer steps from the plain weight, re-blocking it per call (measured 4-7% slower
+than prepacked at 512-2048 rows). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
+row count.
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseGemm", "onednn_linear", "onednn_rows", "warm_up_gemms"]
+from fleetserve.envs import read_env
+from fleetserve.kernels.cpu.ops import small_gemm_supported
+
+__all__ = ["DenseGemm", "onednn_linear", "onednn_rows", "small_linear", "warm_up_gemms"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +57,12 @@ WARM_UP_MAX_ROWS = 512
 once: for a 7B model's four layer shapes, every bucket up to a 2048-token budget is about 5 TFLOP
 (10 s on 2 cores), up to 512 about 1.4; above 512 rows building a primitive (at most 3.6 ms seen)
 is small beside the step's own GEMMs."""
+SMALL_GEMM_MAX_ROWS = 96
+"""Float32 GEMMs of at most this many rows run the small-row kernel where it is available.
+Measured on the Intel box over SmolLM2's layer shapes (a step's 121 GEMMs, the weights coming
+from memory), oneDNN prepacked against the kernel: 1 row 25.3 / 19.1 ms, 16 rows 39.0 / 26.4,
+32 rows 53.1 / 37.6, 64 rows 81.1 / 68.8; at 65 rows the two are level (61.4 / 60.8) and oneDNN
+from the plain weight takes 71.6; at 128 rows the kernel is 5% behind that (125 / 119)."""
 
 
 def onednn_rows(rows: int) -> int:
@@ -80,10 +98,25 @@ def onednn_linear(
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
+def small_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x Wᵀ + b through the small-row kernel (float32 CPU tensors; `packed` from
+    `torch.ops.fleetserve_cpu.small_gemm_pack(W)`). Every output is one float32 FMA chain over
+    the input features in order, so a row's result does not depend on the rows beside it."""
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.ops.fleetserve_cpu.small_gemm(flat, packed, out_features, bias)
+    return out.view(*x.shape[:-1], out_features)
+
+
 class DenseGemm:
-    """x Wᵀ + b for one layer's weight of `dtype` on `device`: oneDNN on a CPU torch was built
-    with it (float32, bfloat16), `F.linear` everywhere else (CUDA: cuBLAS). Chosen once per layer,
-    so every layer of an engine computes the same way."""
+    """x Wᵀ + b for one layer's weight of `dtype` on `device`: on a CPU torch was built with
+    oneDNN for (float32, bfloat16), oneDNN, and in float32 the small-row kernel for up to
+    `SMALL_GEMM_MAX_ROWS` rows where it runs; `F.linear` everywhere else (CUDA: cuBLAS). Chosen
+    once per layer, so every layer of an engine computes the same way."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.uses_onednn = (
@@ -91,38 +124,63 @@ class DenseGemm:
             and dtype in _ONEDNN_DTYPES
             and torch.backends.mkldnn.is_available()
         )
+        self.uses_small_gemm = (
+            self.uses_onednn
+            and dtype == torch.float32
+            and read_env().cpu_small_gemm != 0
+            and small_gemm_supported()
+        )
         self._packed: torch.Tensor | None = None
+        """oneDNN's blocked weight (without the small-row kernel)."""
+        self._small: torch.Tensor | None = None
+        """The small-row kernel's panels (with it; oneDNN then takes the plain weight)."""
+        self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
 
     @property
     def prepacked(self) -> bool:
-        return self._packed is not None
+        return self._packed is not None or self._small is not None
 
     def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Reorder `weight` for oneDNN (no-op elsewhere); later calls must pass this weight,
-        unchanged since (and `bias`, which `warm_up` computes with)."""
-        if self.uses_onednn:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self._bias = None if bias is None else bias.detach()
+        """Pack `weight` for the small-row kernel or reorder it for oneDNN (no-op elsewhere);
+        later calls must pass this weight, unchanged since (and `bias`, which `warm_up`
+        computes with)."""
+        if not self.uses_onednn:
+            return
+        self._weight = weight.detach()
+        self._bias = None if bias is None else bias.detach()
+        if self.uses_small_gemm:
+            self._small = torch.ops.fleetserve_cpu.small_gemm_pack(self._weight)
+        else:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight)
+
+    def _onednn_weight(self) -> torch.Tensor | None:
+        return self._packed if self._packed is not None else self._weight
 
     def warm_key(self) -> tuple[object, ...] | None:
         """What oneDNN's primitives for this GEMM depend on (None: not prepacked)."""
-        if self._packed is None:
+        weight = self._onednn_weight()
+        if weight is None:
             return None
-        return (tuple(self._packed.shape), self._packed.dtype, self._bias is not None)
+        return (tuple(weight.shape), weight.dtype, self._packed is not None, self._bias is not None)
 
     def warm_up(self, max_rows: int) -> None:
-        """Build the primitive of every bucket up to `max_rows` rows (prepacked GEMMs only)."""
-        if self._packed is None:
+        """Build oneDNN's primitive of every bucket up to `max_rows` rows that goes to oneDNN
+        (prepacked GEMMs only)."""
+        weight = self._onednn_weight()
+        if weight is None:
             return
-        in_features = self._packed.shape[1]
+        smallest = SMALL_GEMM_MAX_ROWS + 1 if self._small is not None else 1
         for rows in onednn_buckets(max_rows):
-            x = torch.zeros(rows, in_features, dtype=self._packed.dtype)
-            onednn_linear(x, self._packed, self._bias)
+            if rows >= smallest:
+                x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
+                onednn_linear(x, weight, self._bias)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        if self._small is not None and x.numel() <= SMALL_GEMM_MAX_ROWS * x.shape[-1]:
+            return small_linear(x, self._small, weight.shape[0], bias)
         if self._packed is not None:
             return onednn_linear(x, self._packed, bias)
         if self.uses_onednn:

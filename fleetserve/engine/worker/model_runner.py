@@ -45,6 +45,7 @@ from fleetserve.engine.layers.sampler import (
     Sampler,
     SamplingMetadata,
     build_sampling_metadata,
+    greedy_tokens,
     samples_by_argmax,
 )
 from fleetserve.engine.models.arch import ModelArch
@@ -413,7 +414,7 @@ class ModelRunner:
         if grammar_bitmask is None and all(state.by_argmax for state in states):
             # NOTE: what the sampler would compute for these rows, without building its
             # per-row metadata (about 100 us a step at 64 rows on the CPU).
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = greedy_tokens(logits).tolist()
         else:
             metadata = self._sampling_metadata(states)
             metadata.grammar_bitmask = batch_bitmask(

@@ -1,5 +1,5 @@
-"""Build and load the CPU kernels (`paged_attention.cpp`, `elementwise.cpp`) with the machine's
-C++ compiler, into one shared library.
+"""Build and load the CPU kernels (`paged_attention.cpp`, `elementwise.cpp`, `small_gemm.cpp`)
+with the machine's C++ compiler, into one shared library.
 
 The shared library is compiled once and cached under `<cache root>/kernels/cpu-<key>/`, where the
 key hashes everything that changes the generated code: the sources, the compiler flags and
@@ -33,7 +33,8 @@ import torch.utils.cpp_extension as cpp_extension
 from fleetserve.envs import read_env
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")
 )
 HEADERS = (Path(__file__).with_name("fast_exp.h"),)
 """Included by the sources: part of the build key, not compiled on their own."""

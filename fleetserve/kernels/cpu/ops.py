@@ -14,7 +14,13 @@ import torch
 from fleetserve.kernels.cpu.build import load_cpu_kernels
 from fleetserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "small_gemm_supported",
+]
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -70,3 +76,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     torch.ops.fleetserve_cpu.silu_and_mul(x, out)
     return out
+
+
+def small_gemm_supported() -> bool:
+    """Whether `small_gemm.cpp`'s kernel runs here: the kernels built, on a CPU with AVX-512."""
+    return load_cpu_kernels().available and bool(torch.ops.fleetserve_cpu.small_gemm_supported())

@@ -1,5 +1,6 @@
-"""The dense GEMM: oneDNN on the CPU for float32/bfloat16 (plain or prepacked weights), equal to
-the float64 product; layers compute with it, and the loader prepacks every layer's weight."""
+"""The dense GEMM: oneDNN on the CPU for float32/bfloat16 (plain or prepacked weights) and the
+small-row kernel for float32 decode-sized GEMMs, each equal to the float64 product; layers
+compute with it, and the loader prepacks every layer's weight."""
 
 from __future__ import annotations
 
@@ -9,15 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fleetserve.engine.layers.gemm import DenseGemm, onednn_linear
+from fleetserve.engine.layers.gemm import (
+    SMALL_GEMM_MAX_ROWS,
+    DenseGemm,
+    onednn_linear,
+    small_linear,
+)
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import Linear
 from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
 from fleetserve.engine.quantization.method import UnquantizedLinearMethod
+from fleetserve.kernels.cpu.ops import small_gemm_supported
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+needs_small_gemm = pytest.mark.skipif(
+    not small_gemm_supported(), reason="the small-row GEMM needs the CPU kernels and AVX-512"
 )
 
 
@@ -33,7 +43,10 @@ def test_cpu_float32_and_bfloat16_use_onednn_and_others_do_not() -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 576), (37, 576), (2, 19, 576)])
-def test_onednn_linear_is_the_float32_product(shape: tuple[int, ...]) -> None:
+def test_onednn_linear_is_the_float32_product(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEETSERVE_CPU_SMALL_GEMM", "0")  # every row count to oneDNN
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 576, generator=gen)
     bias = torch.randn(300, generator=gen)
@@ -45,11 +58,63 @@ def test_onednn_linear_is_the_float32_product(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=2e-4, rtol=1e-5)
     gemm = DenseGemm(CPU, torch.float32)
     gemm.prepack(weight)
-    assert gemm.prepacked
+    assert gemm.prepacked and not gemm.uses_small_gemm
     packed = gemm(x, weight, bias)
     torch.testing.assert_close(packed, oracle, atol=2e-4, rtol=1e-5)
     if x.numel() // x.shape[-1] > 1:  # oneDNN's batch-1 path (a GEMV) sums in another order
         assert torch.equal(packed, out)
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("out_features", [300, 64, 7])
+def test_the_small_row_kernel_is_the_float32_product_whatever_rows_are_beside(
+    out_features: int,
+) -> None:
+    # 300 and 7 output columns end in a partial 32-column panel; 1000 input features span
+    # several K blocks (128) with a partial one.
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(out_features, 1000, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    packed = torch.ops.fleetserve_cpu.small_gemm_pack(weight)
+    x = torch.randn(150, 2000, generator=gen)[:, ::2]  # non-contiguous, as the model's slices
+    whole = small_linear(x, packed, out_features, bias)
+    oracle = (x.double() @ weight.double().t() + bias.double()).float()
+    torch.testing.assert_close(whole, oracle, atol=5e-4, rtol=1e-5)
+    # A row's sum is one FMA chain in input order: alone, in any block of 12 rows, in any chunk
+    # of 64, it comes out the same bits.
+    for start, rows in [(0, 1), (5, 7), (13, 12), (40, 33), (100, 50)]:
+        part = small_linear(x[start : start + rows], packed, out_features, bias)
+        assert torch.equal(part, whole[start : start + rows])
+    unbiased = small_linear(x[:3].reshape(3, 1, 1000), packed, out_features)
+    assert unbiased.shape == (3, 1, out_features)
+    torch.testing.assert_close(unbiased[:, 0] + bias, whole[:3], atol=1e-4, rtol=1e-6)
+
+
+@needs_small_gemm
+def test_small_gemm_rejects_what_it_was_not_packed_for() -> None:
+    packed = torch.ops.fleetserve_cpu.small_gemm_pack(torch.zeros(40, 16))
+    with pytest.raises(RuntimeError, match="x has 8 features, the packed weight 16"):
+        torch.ops.fleetserve_cpu.small_gemm(torch.zeros(2, 8), packed, 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.fleetserve_cpu.small_gemm(torch.zeros(2, 16), packed, 80, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.fleetserve_cpu.small_gemm(torch.zeros(2, 16).double(), packed, 40, None)
+
+
+@needs_small_gemm
+def test_float32_decode_sized_gemms_take_the_small_row_kernel_and_longer_ones_onednn() -> None:
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    gemm = DenseGemm(CPU, torch.float32)
+    assert gemm.uses_small_gemm and not DenseGemm(CPU, torch.bfloat16).uses_small_gemm
+    gemm.prepack(weight, bias)
+    assert gemm.prepacked
+    packed = torch.ops.fleetserve_cpu.small_gemm_pack(weight)
+    for rows in (1, 16, SMALL_GEMM_MAX_ROWS):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(gemm(x, weight, bias), small_linear(x, packed, 96, bias))
+    x = torch.randn(SMALL_GEMM_MAX_ROWS + 1, 64, generator=gen)
+    assert torch.equal(gemm(x, weight, bias), onednn_linear(x, weight, bias))
 
 
 @needs_onednn
@@ -68,8 +133,14 @@ def test_layers_compute_with_the_chosen_gemm() -> None:
     assert torch.equal(head.compute_logits(x), onednn_linear(x, head.weight).float())
     layer.quant_method.process_weights_after_loading(layer)
     head.prepack()
-    assert torch.equal(layer(x), onednn_linear(x, layer.weight, layer.bias))
-    assert torch.equal(head.compute_logits(x), onednn_linear(x, head.weight).float())
+    if small_gemm_supported():  # five rows: the small-row kernel's
+        layer_packed = torch.ops.fleetserve_cpu.small_gemm_pack(layer.weight)
+        head_packed = torch.ops.fleetserve_cpu.small_gemm_pack(head.weight)
+        assert torch.equal(layer(x), small_linear(x, layer_packed, 48, layer.bias))
+        assert torch.equal(head.compute_logits(x), small_linear(x, head_packed, 100))
+    else:
+        assert torch.equal(layer(x), onednn_linear(x, layer.weight, layer.bias))
+        assert torch.equal(head.compute_logits(x), onednn_linear(x, head.weight).float())
 
 
 @needs_onednn

@@ -12,6 +12,7 @@ from fleetserve.engine.layers.sampler import (
     Sampler,
     SamplingMetadata,
     build_sampling_metadata,
+    greedy_tokens,
     samples_by_argmax,
 )
 from fleetserve.engine.sampling_params import SamplingParams
@@ -314,3 +315,19 @@ def test_low_precision_logits_are_processed_in_float32() -> None:
     assert out.logprobs is not None
     expected = torch.log_softmax(logits.float(), dim=-1)[0].max().item()
     assert out.logprobs.logprobs[0][1] == pytest.approx(expected, abs=1e-6)
+
+
+def test_greedy_tokens_is_argmax_with_its_ties_and_nans() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        logits = torch.randint(0, 4, (7, 300), generator=gen).float()  # many equal maxima
+        if trial % 3 == 0:
+            logits[2, torch.randint(0, 300, (3,), generator=gen)] = float("nan")
+        if trial % 5 == 0:
+            logits[3] = float("-inf")
+        if trial % 7 == 0:
+            logits[4] = float("nan")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), trial
+    wide = torch.randn(32, 49152, generator=gen)
+    assert torch.equal(greedy_tokens(wide), wide.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(wide.bfloat16()), wide.bfloat16().argmax(dim=-1))

@@ -144,8 +144,13 @@ def test_torch_experts_match_the_per_token_loop() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(11, H, generator=gen)
     weights, ids = select_experts(torch.randn(11, E, generator=gen), RoutingConfig(2, True))
+    # NOTE: batched GEMMs against per-token matrix-vector products sum in another order; on
+    # Intel CPUs MKL's AVX-512 kernels put the difference just past float32's default rtol.
     torch.testing.assert_close(
-        torch_experts(x, w13, w2, weights, ids), _dense_reference(x, w13, w2, weights, ids)
+        torch_experts(x, w13, w2, weights, ids),
+        _dense_reference(x, w13, w2, weights, ids),
+        rtol=1e-5,
+        atol=1e-4,
     )
 
 
