@@ -28,7 +28,7 @@ Decode steps are the exception. In float32 on a CPU with AVX-512, GEMMs of at mo
 packing of the weight while it computes (oneDNN's kernels leave the memory idle while they
 compute: a batch-32 SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it). Its
 packed copy takes the place of oneDNN's, so the weights still take twice their size, and oneDNN
-then computes longer steps from the plain weight, re-blocking it per call (measured 4-7% slower
+then computes longer steps from the plain weight, re-blocking it per call (measured 3.6-7% slower
 than prepacked at 512-2048 rows). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
 row count.
 """
@@ -59,10 +59,11 @@ once: for a 7B model's four layer shapes, every bucket up to a 2048-token budget
 is small beside the step's own GEMMs."""
 SMALL_GEMM_MAX_ROWS = 96
 """Float32 GEMMs of at most this many rows run the small-row kernel where it is available.
-Measured on the Intel box over SmolLM2's layer shapes (a step's 121 GEMMs, the weights coming
-from memory), oneDNN prepacked against the kernel: 1 row 25.3 / 19.1 ms, 16 rows 39.0 / 26.4,
-32 rows 53.1 / 37.6, 64 rows 81.1 / 68.8; at 65 rows the two are level (61.4 / 60.8) and oneDNN
-from the plain weight takes 71.6; at 128 rows the kernel is 5% behind that (125 / 119)."""
+`fleetserve bench gemm` on SmolLM2's shapes (a step's 121 GEMMs, weights from memory), oneDNN
+prepacked against the kernel, on the Intel box: 1 row 28.0 / 22.0 ms, 16 rows 40.8 / 27.9,
+32 rows 54.0 / 38.7, 64 rows 84.5 / 68.5, 128 rows 133.8 / 130.9. With the weights in cache the
+kernel's simple blocking loses sooner: level with oneDNN prepacked at 65 rows, 5% behind oneDNN
+on the plain weight at 128, 1.3-1.4x slower at 512-2048."""
 
 
 def onednn_rows(rows: int) -> int:
