@@ -17,22 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fleetserve.bench.offline import layer_shapes
+
 _IMPLEMENTATIONS = ("mkl", "onednn-plain", "onednn", "small")
-
-
-def layer_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's dense GEMMs, q/k/v and gate/up fused as the engine
-    fuses them."""
-    hidden = config["hidden_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    return [
-        ((heads + 2 * kv_heads) * head_dim, hidden),
-        (hidden, heads * head_dim),
-        (2 * inter, hidden),
-        (hidden, inter),
-    ]
 
 
 def _implementation(name: str) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:

@@ -278,16 +278,23 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def multiplied_weights(hf_config: dict[str, Any]) -> int:
-    """Weights one token multiplies through in a Llama-shaped model (every projection, the
-    norms and the lm_head; the embedding lookup is not a multiply)."""
+def layer_shapes(hf_config: dict[str, Any]) -> list[tuple[int, int]]:
+    """(out, in) of one Llama-shaped decoder layer's dense GEMMs, q/k/v and gate/up fused as the
+    engine fuses them."""
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     head_dim = int(hf_config.get("head_dim") or hidden // heads)
     q = heads * head_dim
     kv = int(hf_config.get("num_key_value_heads", heads)) * head_dim
     inter = int(hf_config["intermediate_size"])
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+
+
+def multiplied_weights(hf_config: dict[str, Any]) -> int:
+    """Weights one token multiplies through in a Llama-shaped model (every projection, the
+    norms and the lm_head; the embedding lookup is not a multiply)."""
+    hidden = int(hf_config["hidden_size"])
+    per_layer = sum(n * k for n, k in layer_shapes(hf_config)) + 2 * hidden
     return (
         int(hf_config["num_hidden_layers"]) * per_layer
         + hidden

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fleetserve.bench.decode import SHAPES, weight_count, write_shape_folder
-from fleetserve.bench.gemm import layer_shapes
+from fleetserve.bench.offline import layer_shapes
 from fleetserve.cli import main
 from fleetserve.engine.config import EngineConfig
 from fleetserve.kernels.cpu.ops import small_gemm_supported

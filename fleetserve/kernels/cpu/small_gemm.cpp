@@ -9,7 +9,7 @@
 // and each thread walks its run of panels while prefetching the stream 32 KiB ahead into L2, so
 // the loads of the next panels overlap the FMAs of this one.
 //
-// In a panel, K is walked in blocks of 128 (4 KiB of weight a row block, L1-resident across row
+// In a panel, K is walked in blocks of 128 (16 KiB of weight, L1-resident across the row
 // blocks) and rows in blocks of up to 12 (24 zmm accumulators: 12 rows x 32 columns, the x value
 // broadcast from memory into each FMA). The partial sums of a K block wait in a small float32
 // buffer between blocks, so every output is one float32 FMA chain over k = 0..K-1 in order:
