@@ -44,6 +44,9 @@ class StepInputs:
     # its last token's rows in the flat batch (one row without drafts)
     num_draft_tokens: list[int] = field(default_factory=list)
     """Per sampling request (parallel to `sample_req_indices`): drafts verified this step."""
+    logits_rows_lead: bool = False
+    """`logits_indices` is 0, 1, ..., n - 1: every real row gets logits (a decode step without
+    drafts), so the hidden states' first n rows are the logits' rows, with no gather."""
 
 
 @dataclass
@@ -159,6 +162,8 @@ class InputPreparer:
             sample_req_indices=sample_idx,
             logits_indices=torch.from_numpy(logits_rows).to(self.device),
             num_draft_tokens=num_drafts,
+            # NOTE: the rows ascend within 0..total - 1, so total of them are all of them.
+            logits_rows_lead=len(logits_rows) == total,
         )
 
     def padding_only(self, size: int) -> PaddedInputs:

@@ -397,7 +397,12 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if not inputs.sample_req_indices:
             return sampled, logprobs
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if inputs.logits_rows_lead:
+            # NOTE: a view instead of a gather: one op and a copy less a decode step.
+            rows = hidden_states[: len(inputs.logits_indices)]
+        else:
+            rows = hidden_states[inputs.logits_indices]
+        logits = self.model.compute_logits(rows)
         states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_indices]
         if any(inputs.num_draft_tokens):
             assert self.spec is not None, "drafts scheduled without speculative decoding"

@@ -344,3 +344,34 @@ def test_cuda_runner_matches_cpu(tiny_qwen2_dir: Path) -> None:
     assert _alone(_make_runner(tiny_qwen2_dir, device="cuda"), PROMPT_A, steps=6) == expected
     bf16 = _alone(_make_runner(tiny_qwen2_dir, device="cuda", dtype="bfloat16"), PROMPT_A, steps=6)
     assert bf16[0] == expected[0]
+
+
+def test_logits_rows_lead_only_when_every_row_samples(runner: ModelRunner) -> None:
+    """A decode step takes the hidden states' leading rows as logits rows (no gather); a step
+    with a prefill chunk gathers; both give the tokens the requests get alone."""
+    alone_a = _alone(runner, PROMPT_A, steps=4)
+    runner.execute_model(_empty_output(finished={"x"}))
+    prepared: list[tuple[bool, list[int]]] = []
+    prepare = runner.input_preparer.prepare
+
+    def recording_prepare(*args: Any, **kwargs: Any) -> Any:
+        inputs = prepare(*args, **kwargs)
+        prepared.append((inputs.logits_rows_lead, inputs.logits_indices.tolist()))
+        return inputs
+
+    runner.input_preparer.prepare = recording_prepare  # type: ignore[method-assign]
+    driver = _Driver(runner)
+    driver.add("a", PROMPT_A)
+    driver.add("b", PROMPT_B)
+    driver.step({"a": len(PROMPT_A)})  # a's prompt: one row of len(PROMPT_A) samples
+    driver.decode(["a"], 1)  # a alone decodes: its one row samples
+    driver.step({"a": 1, "b": 3})  # a decodes beside b's first chunk, which samples nothing
+    driver.decode(["a"], 2)
+    assert prepared == [
+        (False, [len(PROMPT_A) - 1]),
+        (True, [0]),
+        (False, [0]),
+        (True, [0]),
+        (True, [0]),
+    ]
+    assert driver.reqs["a"].outputs == alone_a
