@@ -31,12 +31,17 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
     def hasher(request: Request) -> list[BlockHash]:
+        num_hashed = len(request.block_hashes)
+        if len(request.all_token_ids) < (num_hashed + 1) * block_size:
+            # NOTE: what hash_token_blocks returns here, without its call: a decode step
+            # appends a token to every request, and block_size - 1 of block_size complete none.
+            return []
         return hash_token_blocks(
             request.all_token_ids,
             block_size,
             cache_salt=request.cache_salt,
             parent=request.block_hashes[-1] if request.block_hashes else None,
-            first_block=len(request.block_hashes),
+            first_block=num_hashed,
             lora_name=None if request.lora_request is None else request.lora_request.lora_name,
         )
 
