@@ -6,7 +6,9 @@ same output length (greedy, EOS ignored) go through fleetserve's `LLM`, through 
 through vLLM's `LLM`, all in one run, so the printed ratios compare like with like on a noisy box.
 With `--repeats N` each engine runs the timed workload N times after its warm-up, in the same
 process, and is scored by its median run: a run of a tiny model lasts well under a second, where
-one stray pause of the box moves a single run by 10-20%.
+one stray pause of the box moves a single run by 10-20%. Each engine's prefix cache is reset
+before every timed run, so every run computes every prompt (without the reset, a repeat finds
+the whole workload cached).
 """
 
 from __future__ import annotations
@@ -60,16 +62,25 @@ class Result:
 _T = TypeVar("_T")
 
 
-def timed_runs(repeats: int, run: Callable[[], _T]) -> tuple[tuple[float, ...], _T]:
+def timed_runs(
+    repeats: int, run: Callable[[], _T], reset: Callable[[], bool] | None = None
+) -> tuple[tuple[float, ...], _T]:
     """Call `run` `repeats` times; returns each call's seconds and the last call's result.
+
+    `reset` runs before each call, untimed: an engine's `reset_prefix_cache`, so that no run
+    finds the prompts of the warm-up or of the run before it in the prefix cache (a repeat
+    would otherwise skip most of its prefill).
 
     Raises:
         ValueError: if repeats is below 1.
+        RuntimeError: if `reset` returns False (the cache could not be emptied).
     """
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     runs: list[float] = []
     for _ in range(repeats):
+        if reset is not None and not reset():
+            raise RuntimeError("the prefix cache could not be reset before a timed run")
         start = time.perf_counter()
         result = run()
         runs.append(time.perf_counter() - start)
@@ -121,7 +132,9 @@ def run_fleetserve(
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], params.clone(max_tokens=2))
     timers.reset()
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    runs, outputs = timed_runs(args.repeats, lambda: llm.generate(prompts, params))
+    runs, outputs = timed_runs(
+        args.repeats, lambda: llm.generate(prompts, params), llm.reset_prefix_cache
+    )
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     name = "fleetserve" if optimization_level == 2 else f"fleetserve-O{optimization_level}"
     if async_scheduling is not None:

