@@ -346,7 +346,12 @@ def test_scale_up_cancels_a_drain_and_a_restarted_operator_resumes_one(
         poll(
             "deleted at its timeout", lambda: env.get("statefulset", ns, sts) is None, timeout_s=90
         )
-        (timed_out,) = [m for r, m in event_reasons(env, ns) if r == "DrainTimedOut"]
+        # NOTE: the operator posts a pass's events after the pass's deletes: poll, not read.
+        timed_out = poll(
+            "the DrainTimedOut event",
+            lambda: next((m for r, m in event_reasons(env, ns) if r == "DrainTimedOut"), None),
+        )
+        assert [r for r, _ in event_reasons(env, ns)].count("DrainTimedOut") == 1
         assert "an unknown number of requests" in timed_out, timed_out
         age = int(timed_out.split(" after ")[1].split("s ")[0])
         assert 20 <= age < 60, (since, timed_out)
