@@ -9,6 +9,7 @@ One real server process for the module (its death test last: it kills a core).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -76,12 +77,26 @@ def _core_pids(server: ServerHandle) -> list[int]:
     return [int(match.group(1)), int(match.group(2))]
 
 
-def _stream(server: ServerHandle, prompt: list[int]) -> tuple[requests.Response, Iterator[bytes]]:
+@dataclasses.dataclass
+class _Stream:
     """A long streaming request, under way: its response and its remaining `data:` events.
 
-    NOTE: keep the events iterator alive: dropping it half-read releases (closes) the
-    connection, which the server takes for a client that left.
+    NOTE: the two live and die together. Dropping the events iterator half-read closes the
+    connection (urllib3 releases it when its read generator is closed), which the server takes
+    for a client that left; a test that kept only the response once had its request aborted
+    under it.
     """
+
+    response: requests.Response
+    events: Iterator[bytes]
+
+    def close(self) -> None:
+        """Leave: the server aborts the request."""
+        self.response.close()
+
+
+def _stream(server: ServerHandle, prompt: list[int]) -> _Stream:
+    """Start a long streaming request and read its first event."""
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 16,
             "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
     response = requests.post(
@@ -91,7 +106,7 @@ def _stream(server: ServerHandle, prompt: list[int]) -> tuple[requests.Response,
     assert response.status_code == 200, response.text
     events = (line for line in response.iter_lines() if line.startswith(b"data: "))
     next(events)
-    return response, events
+    return _Stream(response, events)
 
 
 def _wait_for(condition: Any, what: str, timeout_s: float = 10.0, seen: Any = None) -> None:
@@ -133,13 +148,13 @@ def test_an_abort_reaches_its_rank_and_the_least_loaded_rank_takes_the_next(
     dp_server: ServerHandle,
 ) -> None:
     running = functools.partial(_series, dp_server, "vllm:num_requests_running")
-    opened: list[requests.Response] = []
+    opened: list[_Stream] = []
     try:
         # 1 → rank c (the round-robin cursor), 2 → the other (less loaded), 3 → c (a tie, the
         # cursor's turn): c runs two, the other one.
-        first, _ = _stream(dp_server, [5, 6, 7])
-        second, second_events = _stream(dp_server, [8, 9, 10])
-        third, _ = _stream(dp_server, [11, 12])
+        first = _stream(dp_server, [5, 6, 7])
+        second = _stream(dp_server, [8, 9, 10])
+        third = _stream(dp_server, [11, 12])
         opened += [first, second, third]
         _wait_for(lambda: sorted(running().values()) == [1.0, 2.0], "1 and 3 did not share a rank",
                   seen=lambda: (running(), _series(dp_server, "vllm:num_requests_waiting")))  # fmt: skip
@@ -153,22 +168,19 @@ def test_an_abort_reaches_its_rank_and_the_least_loaded_rank_takes_the_next(
         assert sorted(running().values()) == [0.0, 1.0]
         # The other rank's request streams on.
         for _ in range(50):
-            assert b'finish_reason":null' in next(second_events)
+            assert b'finish_reason":null' in next(second.events)
         # The cursor points at the busy rank now; the idle one is less loaded, and wins.
-        fourth, _ = _stream(dp_server, [13, 14])
-        opened.append(fourth)
+        opened.append(_stream(dp_server, [13, 14]))
         _wait_for(lambda: running() == {"0": 1.0, "1": 1.0}, "4 did not go to the idle rank")
     finally:
-        for response in opened:
-            response.close()
+        for stream in opened:
+            stream.close()
     _wait_for(lambda: set(running().values()) == {0.0}, "both ranks did not go idle")
 
 
 @pytest.mark.timeout(600)
 def test_a_dead_rank_fails_health_and_inflight_requests(dp_server: ServerHandle) -> None:
-    started = [_stream(dp_server, [5, 6, 7]), _stream(dp_server, [8, 9, 10])]
-    streams = [response for response, _ in started]
-    events = [stream_events for _, stream_events in started]
+    streams = [_stream(dp_server, [5, 6, 7]), _stream(dp_server, [8, 9, 10])]
     try:
         _wait_for(
             lambda: _series(dp_server, "vllm:num_requests_running") == {"0": 1.0, "1": 1.0},
@@ -179,14 +191,14 @@ def test_a_dead_rank_fails_health_and_inflight_requests(dp_server: ServerHandle)
         while requests.get(f"{dp_server.base_url}/health", timeout=5).status_code == 200:
             assert time.monotonic() - killed_at < 5.0, "/health still passes 5 s after the kill"
             time.sleep(0.1)
-        for stream_events in events:
-            rest = list(stream_events)
+        for stream in streams:
+            rest = list(stream.events)
             # Both ranks' requests end with an error event and [DONE] (one failure unit).
             assert rest[-1] == b"data: [DONE]"
             assert json.loads(rest[-2][len(b"data: ") :])["error"]["code"] == "503"
     finally:
-        for s in streams:
-            s.close()
+        for stream in streams:
+            stream.close()
     later = _complete(dp_server, {"prompt": [5], "max_tokens": 2})
     assert later.status_code == 503, later.text
     assert "data-parallel rank 1" in later.json()["error"]["message"]
