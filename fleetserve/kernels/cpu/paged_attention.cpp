@@ -23,6 +23,7 @@
 #include "fast_exp.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -95,6 +96,52 @@ inline void dot16(const float* q, const float* k, int64_t token_stride, float* l
 }
 #endif
 
+// s[0..n) = softmax(s[0..n)) in place (n >= 1). With AVX-512 in 16-lane vectors, tails
+// masked; the scalar loops, which GCC vectorizes only 8 lanes wide with a peeled prologue and
+// epilogue per loop, took most of a prefill call (tiny shape: 1.7 of 2.8 ms).
+inline void softmax_inplace(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  const int64_t whole = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1u);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < whole; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+  if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + whole));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 e = fleetserve_cpu::exp_clamped16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e =
+        fleetserve_cpu::exp_clamped16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), m));
+    _mm512_mask_storeu_ps(s + whole, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < whole; i += 16) {
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  }
+  if (tail) {
+    _mm512_mask_storeu_ps(s + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
+  }
+#else
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = fleetserve_cpu::exp_clamped(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+#endif
+}
+
 // Whether attend_item computes its logits 16 key rows at a time (dot16).
 template <typename T, int64_t kHeadSize>
 constexpr bool kDot16 =
@@ -164,21 +211,7 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = logits + g * kv_len;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < kv_len; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < kv_len; ++i) {
-      s[i] = fleetserve_cpu::exp_clamped(s[i] - m);
-      sum += s[i];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < kv_len; ++i) s[i] *= inv;
-  }
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(logits + g * kv_len, kv_len);
   std::fill(a_all, a_all + G * D, 0.f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * block_size, n = tokens_in(b);
@@ -234,7 +267,8 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
                  const int32_t* block_table, int64_t block_table_stride, T* out,
                  int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
                  int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                 int64_t block_size, float scale, int64_t max_query_len) {
+                 int64_t block_size, float scale, int64_t max_query_len,
+                 int64_t min_tile_query_len) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
   const int64_t max_seq_len =
@@ -253,6 +287,7 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
       }
       const int64_t query_len = query_start_loc[req + 1] - query_start_loc[req];
       if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
+      if (query_len >= min_tile_query_len) continue;  // attend_tiles computes it
       const int64_t row = tok - query_start_loc[req];
       // Causal: this row sees every cached position up to and including its own.
       const int64_t kv_len = seq_lens[req] - query_len + row + 1;
@@ -269,6 +304,263 @@ void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const 
       }
     }
   });
+}
+
+#if defined(__AVX512F__)
+// Transposes the 16x16 tile r in place (afterwards lane i of r[j] is what lane j of r[i] was):
+// pairs of rows interleaved, then pairs of pairs, then the 128-bit quarters moved across.
+inline void transpose16x16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// Prefill rows in tiles (float32, AVX-512): kRows consecutive query rows of one request and the
+// kGroup query heads that share kv head kvh, 16 or fewer query vectors in all, attend together.
+// Each 16-key chunk is loaded once per tile and transposed in registers, so the tile's logits
+// are kHeadSize broadcast FMAs per query vector and 16 keys, with no horizontal sums (the
+// row-at-a-time walk spends 45 shuffles per 16 logits on them and loads every key row again for
+// each query row). Rows see kv_len = first_kv_len + their index: the causal tail of the last
+// chunk is computed and ignored (its probabilities are zero). Values: a pass per group of query
+// vectors whose accumulators fit in 16 registers.
+template <int64_t kHeadSize, int64_t kGroup>
+struct PrefillTile {
+  static constexpr int64_t kRows = std::max<int64_t>(1, 16 / kGroup);
+  static constexpr int64_t kVectors = kRows * kGroup;  // query vectors in a tile
+  static constexpr int64_t kChunks = kHeadSize / 16;   // 16-float pieces of a head
+  static constexpr int64_t kValueVectors = std::max<int64_t>(1, 16 / kChunks);
+
+  // `q` holds kVectors × kHeadSize scaled queries (rows past n zero), `logits` kVectors ×
+  // `stride` floats, `key_rows` 16 pointers; out_rows[i * kGroup + g] receives vector (i, g)
+  // for the n real rows.
+  static void run(const float* q, const float* key_cache, const float* value_cache,
+                  int64_t block_stride, int64_t token_stride, const int32_t* blocks,
+                  int64_t block_size, int64_t first_kv_len, int64_t n, float* logits,
+                  int64_t stride, float* const* out_rows) {
+    const int64_t kv_max = first_kv_len + n - 1;
+    // The chunk's keys transposed (kt[d] lane t = key t's element d); in L1, not registers:
+    // the FMAs below keep their accumulators there.
+    alignas(64) float kt[kHeadSize][16];
+    for (int64_t start = 0; start < kv_max; start += 16) {
+      const int64_t m = std::min<int64_t>(16, kv_max - start);
+      const float* rows[16];
+      for (int64_t t = 0; t < m; ++t) {
+        const int64_t pos = start + t;
+        rows[t] = key_cache + blocks[pos / block_size] * block_stride +
+                  (pos % block_size) * token_stride;
+      }
+      for (int64_t c = 0; c < kChunks; ++c) {
+        __m512 k[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          k[t] = t < m ? _mm512_loadu_ps(rows[t] + 16 * c) : _mm512_setzero_ps();
+        }
+        transpose16x16(k);
+        for (int64_t d = 0; d < 16; ++d) _mm512_store_ps(kt[16 * c + d], k[d]);
+      }
+      constexpr int64_t kHalf = kVectors > 8 ? (kVectors + 1) / 2 : kVectors;
+      logit_rows<kHalf>(q, &kt[0][0], logits + start, stride);
+      if constexpr (kVectors > kHalf) {
+        logit_rows<kVectors - kHalf>(q + kHalf * kHeadSize, &kt[0][0],
+                                     logits + kHalf * stride + start, stride);
+      }
+    }
+    for (int64_t v = 0; v < kVectors; ++v) {
+      float* s = logits + v * stride;
+      const int64_t kv_len = std::min(first_kv_len + v / kGroup, kv_max);
+      softmax_inplace(s, kv_len);
+      std::fill(s + kv_len, s + kv_max, 0.f);
+    }
+    value_rows<0>(value_cache, block_stride, token_stride, blocks, block_size, kv_max, n,
+                  logits, stride, out_rows);
+  }
+
+  // The logits of kCount query vectors (q, kHeadSize apart) against one transposed chunk kt,
+  // into out (their rows stride apart).
+  template <int64_t kCount>
+  static void logit_rows(const float* q, const float* kt, float* out, int64_t stride) {
+    __m512 acc[kCount];
+    for (int64_t v = 0; v < kCount; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < kHeadSize; ++d) {
+      const __m512 kd = _mm512_load_ps(kt + 16 * d);
+      for (int64_t v = 0; v < kCount; ++v) {
+        acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v * kHeadSize + d]), kd, acc[v]);
+      }
+    }
+    for (int64_t v = 0; v < kCount; ++v) _mm512_storeu_ps(out + v * stride, acc[v]);
+  }
+
+  // out_rows[v] = sum over t of p[v][t] * value t, for the query vectors from kFirst on that
+  // belong to the n real rows, kValueVectors at a time (their accumulators in registers).
+  template <int64_t kFirst>
+  static void value_rows(const float* value_cache, int64_t block_stride, int64_t token_stride,
+                         const int32_t* blocks, int64_t block_size, int64_t kv_max, int64_t n,
+                         const float* logits, int64_t stride, float* const* out_rows) {
+    constexpr int64_t kCount = std::min(kValueVectors, kVectors - kFirst);
+    if (kFirst >= n * kGroup) return;
+    __m512 acc[kCount][kChunks];
+    for (int64_t v = 0; v < kCount; ++v) {
+      for (int64_t c = 0; c < kChunks; ++c) acc[v][c] = _mm512_setzero_ps();
+    }
+    const float* p = logits + kFirst * stride;
+    for (int64_t b = 0; b * block_size < kv_max; ++b) {
+      const float* vb = value_cache + blocks[b] * block_stride;
+      const int64_t end = std::min(block_size, kv_max - b * block_size);
+      for (int64_t i = 0; i < end; ++i) {
+        const int64_t t = b * block_size + i;
+        const float* row = vb + i * token_stride;
+        __m512 x[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) x[c] = _mm512_loadu_ps(row + 16 * c);
+        for (int64_t v = 0; v < kCount; ++v) {
+          const __m512 pv = _mm512_set1_ps(p[v * stride + t]);
+          for (int64_t c = 0; c < kChunks; ++c) acc[v][c] = _mm512_fmadd_ps(pv, x[c], acc[v][c]);
+        }
+      }
+    }
+    for (int64_t v = 0; v < kCount && (kFirst + v) / kGroup < n; ++v) {
+      for (int64_t c = 0; c < kChunks; ++c) {
+        _mm512_storeu_ps(out_rows[kFirst + v] + 16 * c, acc[v][c]);
+      }
+    }
+    if constexpr (kFirst + kCount < kVectors) {
+      value_rows<kFirst + kCount>(value_cache, block_stride, token_stride, blocks, block_size,
+                                  kv_max, n, logits, stride, out_rows);
+    }
+  }
+};
+
+using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t,
+                        const int32_t*, int64_t, int64_t, int64_t, float*, int64_t,
+                        float* const*);
+
+struct TileShape {
+  TileFn fn;
+  int64_t rows;  // query rows per tile (0: no tiled variant for this shape)
+};
+
+template <int64_t kHeadSize>
+TileShape tile_for_group(int64_t group) {
+  switch (group) {
+    case 1: return {PrefillTile<kHeadSize, 1>::run, PrefillTile<kHeadSize, 1>::kRows};
+    case 2: return {PrefillTile<kHeadSize, 2>::run, PrefillTile<kHeadSize, 2>::kRows};
+    case 3: return {PrefillTile<kHeadSize, 3>::run, PrefillTile<kHeadSize, 3>::kRows};
+    case 4: return {PrefillTile<kHeadSize, 4>::run, PrefillTile<kHeadSize, 4>::kRows};
+    case 8: return {PrefillTile<kHeadSize, 8>::run, PrefillTile<kHeadSize, 8>::kRows};
+    default: return {nullptr, 0};
+  }
+}
+
+TileShape pick_tile(int64_t head_size, int64_t group) {
+  switch (head_size) {
+    case 32: return tile_for_group<32>(group);
+    case 64: return tile_for_group<64>(group);
+    case 128: return tile_for_group<128>(group);
+    default: return {nullptr, 0};
+  }
+}
+#else
+struct TileShape {
+  void* fn;
+  int64_t rows;
+};
+inline TileShape pick_tile(int64_t, int64_t) { return {nullptr, 0}; }
+#endif
+
+// The query length from which a request's rows go through the tiles rather than the row walk
+// (INT64_MAX: no tiled variant for this dtype and shape): half a tile, where the tile's wasted
+// rows cost less than the walk's extra work on the real ones.
+template <typename T>
+int64_t tile_min_query_len(int64_t head_size, int64_t group) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return std::numeric_limits<int64_t>::max();
+  } else {
+    const TileShape shape = pick_tile(head_size, group);
+    return shape.rows == 0 ? std::numeric_limits<int64_t>::max()
+                           : std::max<int64_t>(2, shape.rows / 2);
+  }
+}
+
+// The rows of requests whose query is [min_query_len, max_query_len] tokens long, in tiles.
+// Items (tile, kv head) are taken longest first from a shared counter, so that the threads end
+// together although the last tiles of a long prompt see far more keys than its first.
+template <typename T>
+void attend_tiles(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const T* key_cache,
+                  const T* value_cache, int64_t block_stride, int64_t token_stride,
+                  const int32_t* query_start_loc, const int32_t* seq_lens,
+                  const int32_t* block_table, int64_t block_table_stride, T* out,
+                  int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                  float scale, int64_t min_query_len, int64_t max_query_len) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t group = num_heads / num_kv_heads;
+    const TileShape shape = pick_tile(head_size, group);
+    if (shape.rows == 0) return;
+    struct Tile {
+      int64_t req, row0, n, first_kv_len;
+    };
+    std::vector<Tile> tiles;
+    int64_t max_kv = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      const int64_t query_len = query_start_loc[r + 1] - query_start_loc[r];
+      if (query_len < min_query_len || query_len > max_query_len) continue;
+      const int64_t context = seq_lens[r] - query_len;
+      for (int64_t row0 = 0; row0 < query_len; row0 += shape.rows) {
+        tiles.push_back({r, row0, std::min(shape.rows, query_len - row0), context + row0 + 1});
+      }
+      max_kv = std::max<int64_t>(max_kv, seq_lens[r]);
+    }
+    if (tiles.empty()) return;
+    std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
+      return a.first_kv_len + a.n > b.first_kv_len + b.n;
+    });
+    const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+    const int64_t vectors = shape.rows * group;
+    const int64_t stride = (max_kv + 15) / 16 * 16;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> qt(vectors * head_size), logits(vectors * stride);
+      std::vector<float*> out_rows(vectors);
+      for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+        const Tile& tile = tiles[item / num_kv_heads];
+        const int64_t kvh = item % num_kv_heads;
+        std::fill(qt.begin(), qt.end(), 0.f);
+        for (int64_t i = 0; i < tile.n; ++i) {
+          const int64_t tok = query_start_loc[tile.req] + tile.row0 + i;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t head = kvh * group + g;
+            const float* qh = q + tok * q_stride_tok + head * q_stride_head;
+            float* dst = qt.data() + (i * group + g) * head_size;
+            for (int64_t d = 0; d < head_size; ++d) dst[d] = qh[d] * scale;
+            out_rows[i * group + g] = out + tok * out_stride_tok + head * out_stride_head;
+          }
+        }
+        shape.fn(qt.data(), key_cache + kvh * head_size, value_cache + kvh * head_size,
+                 block_stride, token_stride, block_table + tile.req * block_table_stride,
+                 block_size, tile.first_kv_len, tile.n, logits.data(), stride, out_rows.data());
+      }
+    });
+  }
+#endif
 }
 
 void check_common(const at::Tensor& kv_cache) {
@@ -315,6 +607,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, query.scalar_type(), "fleetserve_cpu_paged_attention", [&] {
         const scalar_t* cache = kv_cache.const_data_ptr<scalar_t>();
+        const int64_t min_tile = tile_min_query_len<scalar_t>(head_size, num_heads / num_kv_heads);
         attend_rows<scalar_t>(
             query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1), cache,
             cache + kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -322,7 +615,15 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
             block_table.const_data_ptr<int32_t>(), block_table.stride(0),
             out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
             num_tokens, num_heads, num_kv_heads, head_size, block_size,
-            static_cast<float>(scale), max_query_len);
+            static_cast<float>(scale), max_query_len, min_tile);
+        attend_tiles<scalar_t>(
+            query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1), cache,
+            cache + kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
+            block_table.const_data_ptr<int32_t>(), block_table.stride(0),
+            out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
+            num_heads, num_kv_heads, head_size, block_size, static_cast<float>(scale),
+            min_tile, max_query_len);
       });
 }
 

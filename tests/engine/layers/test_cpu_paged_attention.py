@@ -3,8 +3,10 @@
 Odd shapes on purpose: partial last blocks, GQA groups of 1/2/3/4/6/8, a block size that is not
 the usual 16, head sizes 32/64/80/128 (compiled-in variants exist for head sizes 32, 64 and 128
 with groups 1, 2, 3, 4 and 8; the others take either at run time), scattered (non-contiguous)
-block ids, and steps that
-mix chunked prefill rows with decodes; plus the KV write (exact) and the selector's fallback.
+block ids, and steps that mix chunked prefill rows with decodes; prefill rows in tiles (full,
+partial, at the threshold, across odd blocks) beside rows the kernel walks one at a time; plus
+the KV write (exact), results that do not depend on the thread count, and the selector's
+fallback.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ CASES = [
     ([1, 2, 1], [20, 3, 130], 8, 2, 128, 16),  # head size 128 (its compiled-in variant)
     ([1, 4], [10, 50], 6, 6, 64, 16),  # MHA at a compiled-in head size (group 1 fixed too)
     ([1, 3, 1], [7, 0, 70], 12, 2, 32, 16),  # group 6: head size fixed, group at run time
+    # Prefill tiles (float32 with AVX-512; rows per tile = 16 // group, from half a tile on):
+    ([24, 1, 8, 1], [0, 40, 3, 17], 4, 4, 64, 16),  # MHA: a full and a partial tile of 16 rows
+    # and a request at the threshold (8 rows)
+    ([37, 2, 1], [100, 5, 60], 4, 2, 32, 5),  # tiles across blocks of 5; 2 rows: the row walk
+    ([19, 3], [300, 0], 16, 2, 128, 16),  # group 8: tiles of 2 rows, the last one of 1
+    ([6, 1], [0, 0], 9, 3, 64, 16),  # group 3: tiles of 5 rows, keys fewer than one chunk
 ]
 
 
@@ -109,6 +117,34 @@ def test_fused_equals_torch_reference_and_oracle(case: int, dtype: torch.dtype) 
         q, caches[1], metadata.query_start_loc, metadata.seq_lens, table, scale, 1 << 30, whole
     )
     torch.testing.assert_close(whole, oracle, atol=tol, rtol=tol)
+
+
+def test_prefill_tiles_give_the_same_bits_on_one_thread_and_two() -> None:
+    """The tiles are handed out longest first from a shared counter: which thread computes one
+    must not change a bit of it."""
+    query_lens, context_lens = [70, 1, 33, 9, 1], [0, 200, 64, 500, 31]
+    cache, q, _, _, table, slots = _random_step(
+        random.Random(5), query_lens, context_lens, 4, 2, 32, 16, torch.float32
+    )
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    metadata = build_attention_metadata(query_lens, seq_lens, table, slots, 16, CPU)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty_like(q)
+            torch.ops.fleetserve_cpu.paged_attention(
+                q, cache, metadata.query_start_loc, metadata.seq_lens, table, 32**-0.5, 1 << 30, out
+            )
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    oracle = paged_attention_ref(
+        q, cache, metadata.query_start_loc, metadata.seq_lens, table, 32**-0.5
+    )
+    torch.testing.assert_close(outs[0], oracle, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize(
