@@ -32,6 +32,7 @@ _BENCHES = (
     ("serve", "serve", "online serving benchmark (TTFT/TPOT/ITL)"),
     ("decode", "decode", "small-batch decode tok/s vs the weight-read roofline (CUDA graphs/eager)"),
     ("gemm", "gemm", "one decode step's dense GEMMs on the CPU: MKL, oneDNN, the small-row kernel"),
+    ("attention", "attention", "one layer's prefill and decode attention on the CPU: fused kernel vs torch"),
     ("kv-transfer", "kv_transfer", "KV-block throughput and 4 KiB round trip of tcp, shm and mooncake"),
     ("router", "router", "a router's added latency and max requests/s vs vllm-router"),
     ("pd-handover", "pd_handover", "TTFT of a prefill/decode pair vs one engine, transfer split out"),

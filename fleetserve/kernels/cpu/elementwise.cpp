@@ -172,10 +172,29 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const float* g = xp + r * xs;
       const float* u = g + d;
       float* o = op + r * os;
+#if defined(__AVX512F__)
+      // 16 lanes, the tail masked: every element takes the same instructions wherever it lies,
+      // and the loop runs twice as wide as the one GCC makes of the scalar form.
+      const auto silu_mul16 = [](__m512 gv, __m512 uv) {
+        const __m512 e = fleetserve_cpu::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        return _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv);
+      };
+      const int64_t whole = d / 16 * 16;
+      for (int64_t i = 0; i < whole; i += 16) {
+        _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+      }
+      if (whole < d) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (d - whole)) - 1u);
+        _mm512_mask_storeu_ps(o + whole, tail,
+                              silu_mul16(_mm512_maskz_loadu_ps(tail, g + whole),
+                                         _mm512_maskz_loadu_ps(tail, u + whole)));
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
         o[i] = g[i] / (1.f + fleetserve_cpu::exp_clamped(-g[i])) * u[i];
       }
+#endif
     }
   });
 }
