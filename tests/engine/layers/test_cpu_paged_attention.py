@@ -150,9 +150,10 @@ def test_prefill_tiles_give_the_same_bits_on_one_thread_and_two() -> None:
 @pytest.mark.parametrize(
     ("dtype", "heads", "kv_heads", "head_size", "fused"),
     [
-        (torch.float32, 4, 2, 32, True),  # float32 GQA: the kernel's walk beats SDPA
-        (torch.float32, 12, 2, 64, True),
-        (torch.float32, 4, 4, 32, False),  # no group: SDPA reuses each key row better
+        (torch.float32, 4, 2, 32, True),  # float32 GQA: tiles
+        (torch.float32, 12, 2, 64, True),  # group 6: no tiles, the row walk still beats SDPA
+        (torch.float32, 4, 4, 32, True),  # no group, at a head size with tiles
+        (torch.float32, 2, 2, 96, False),  # no group, no tiles: SDPA reuses key rows better
         (torch.float32, 6, 2, 40, False),  # head size not a multiple of 16
         (torch.bfloat16, 4, 2, 32, False),
     ],

@@ -4,12 +4,12 @@ The kernels (`fleetserve/kernels/cpu/paged_attention.cpp`) are built with the ma
 at first use and cached; when they cannot be built, `is_available` says why and the selector
 falls back to the torch reference (which stays the oracle in tests).
 
-Each (query row, kv head) pair walks its request's blocks in the kernel, so nothing is gathered,
-padded or masked. Rows of requests with short queries (decodes, speculative drafts: at most
-`FUSED_MAX_QUERY_LEN` tokens) always go through it. Longer prefill chunks are compute-bound: they go
-through it too where its per-row walk was measured faster than SDPA (`fused_takes_long_queries`),
-and otherwise keep the torch backend's path (gather the request's blocks once, one SDPA call);
-both run in the same step.
+The kernel reads the request's blocks in place, so nothing is gathered, padded or masked:
+short queries (decodes, speculative drafts) row by row, longer ones in tiles of consecutive rows
+(float32, AVX-512). Rows of requests with short queries (at most `FUSED_MAX_QUERY_LEN` tokens)
+always go through it. Longer prefill chunks are compute-bound: they go through it too where it
+was measured faster than SDPA (`fused_takes_long_queries`), and otherwise keep the torch
+backend's path (gather the request's blocks once, one SDPA call); both run in the same step.
 """
 
 from __future__ import annotations
@@ -24,27 +24,32 @@ FUSED_MAX_QUERY_LEN = 8
 """Requests computing at most this many tokens in a step use the fused kernel on any shape."""
 
 
+TILED_HEAD_SIZES = (32, 64, 128)
+TILED_GROUPS = (1, 2, 3, 4, 8)
+"""The (head size, GQA group) pairs the kernel has prefill tiles for (`PrefillTile`)."""
+
+
 def fused_takes_long_queries(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
 ) -> bool:
     """Whether prefill chunks of any length go through the fused kernel rather than SDPA.
 
-    Where the kernel computes float32 logits 16 key rows at a time (an AVX-512 build, head size a
-    multiple of 16) and each key row serves a GQA group of two or more query heads, its walk beat
-    SDPA's gather + causal call: per request and layer, SDPA time / kernel time at 300, 512, and
-    256 after 512 cached tokens (/tmp/prefill_kernel.py, best of 5): head size 32 / group 2:
-    1.29, 1.08, 1.13; 64 / 3: 1.54, 1.40, 1.35; 128 / 4: 1.37, 1.26, 0.92. In an engine, where
-    the SDPA path also gathers and builds a mask per request, a tiny model's 2048-token prefill
-    step went from about 9 to 6 ms, and 64 SmolLM2 prompts' prefill from 10.6 to 9.1 s. Without
-    a group (each key row serves one head) or in bfloat16 the walk lost (0.3-0.8): SDPA's
-    blocked matmuls reuse each key row across many query rows.
+    Float32 on an AVX-512 build only (bfloat16 rows lost to SDPA, 0.3-0.8). There the kernel
+    computes prefill rows in tiles (`TILED_HEAD_SIZES` x `TILED_GROUPS`: each 16-key chunk loaded
+    once for up to 16 query vectors), and `fleetserve bench attention` put it ahead of SDPA's
+    gather + causal call on a 2048-token step of prompts of 32-512 tokens: 2.05x with 4 heads of
+    32 in 2 KV heads, 1.71x with 9 of 64 in 3; and without a group (MHA, where the row-at-a-time
+    walk had lost at 0.3-0.8) 2.21x at 4 x 32, 1.55x at 8 x 64, 1.14x at 16 x 128. Other head
+    sizes that are a multiple of 16 keep the row walk, which beat SDPA only when each key row
+    serves a group of two or more query heads (1.08-1.54 per request at 300, 512 and 256 after
+    512 tokens).
     """
-    return (
-        dtype == torch.float32
-        and head_size % 16 == 0
-        and num_heads // num_kv_heads >= 2
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    )
+    if dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    group = num_heads // num_kv_heads
+    if head_size in TILED_HEAD_SIZES and group in TILED_GROUPS:
+        return True
+    return head_size % 16 == 0 and group >= 2
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
