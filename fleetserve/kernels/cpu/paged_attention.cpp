@@ -124,7 +124,8 @@ inline void softmax_inplace(float* s, int64_t n) {
     _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
   }
   if (tail) {
-    _mm512_mask_storeu_ps(s + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
+    _mm512_mask_storeu_ps(s + whole, tail,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
   }
 #else
   float m = -std::numeric_limits<float>::infinity();
@@ -260,46 +261,58 @@ AttendFn<T> pick_attend(int64_t head_size, int64_t group) {
   }
 }
 
+// One call's inputs as `paged_attention` received them: pointers into its tensors (the cache
+// split into keys and values), their strides, and the shape.
 template <typename T>
-void attend_rows(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const T* key_cache,
-                 const T* value_cache, int64_t block_stride, int64_t token_stride,
-                 const int32_t* query_start_loc, const int32_t* seq_lens,
-                 const int32_t* block_table, int64_t block_table_stride, T* out,
-                 int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
-                 int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                 int64_t block_size, float scale, int64_t max_query_len,
-                 int64_t min_tile_query_len) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t D = head_size;
+struct PagedStep {
+  const T* q;
+  int64_t q_stride_tok, q_stride_head;
+  const T* key_cache;
+  const T* value_cache;
+  int64_t block_stride, token_stride;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  T* out;
+  int64_t out_stride_tok, out_stride_head;
+  int64_t num_reqs, num_tokens, num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+};
+
+template <typename T>
+void attend_rows(const PagedStep<T>& step, int64_t max_query_len, int64_t min_tile_query_len) {
+  const int64_t group = step.num_heads / step.num_kv_heads;
+  const int64_t D = step.head_size;
   const int64_t max_seq_len =
-      num_reqs == 0 ? 0 : *std::max_element(seq_lens, seq_lens + num_reqs);
+      step.num_reqs == 0 ? 0 : *std::max_element(step.seq_lens, step.seq_lens + step.num_reqs);
   const AttendFn<T> attend = pick_attend<T>(D, group);
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, step.num_tokens * step.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * D), acc(group * D), logits(group * max_seq_len);
     int64_t req = 0;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t tok = item / num_kv_heads;
-      const int64_t kvh = item % num_kv_heads;
+      const int64_t tok = item / step.num_kv_heads;
+      const int64_t kvh = item % step.num_kv_heads;
       // The request owning this row: query_start_loc is sorted, items ascend within a chunk.
-      if (req >= num_reqs || tok < query_start_loc[req] || tok >= query_start_loc[req + 1]) {
-        req = std::upper_bound(query_start_loc, query_start_loc + num_reqs + 1, (int32_t)tok) -
-              query_start_loc - 1;
+      const int32_t* starts = step.query_start_loc;
+      if (req >= step.num_reqs || tok < starts[req] || tok >= starts[req + 1]) {
+        req = std::upper_bound(starts, starts + step.num_reqs + 1, (int32_t)tok) - starts - 1;
       }
-      const int64_t query_len = query_start_loc[req + 1] - query_start_loc[req];
+      const int64_t query_len = step.query_start_loc[req + 1] - step.query_start_loc[req];
       if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
       if (query_len >= min_tile_query_len) continue;  // attend_tiles computes it
-      const int64_t row = tok - query_start_loc[req];
+      const int64_t row = tok - step.query_start_loc[req];
       // Causal: this row sees every cached position up to and including its own.
-      const int64_t kv_len = seq_lens[req] - query_len + row + 1;
+      const int64_t kv_len = step.seq_lens[req] - query_len + row + 1;
       for (int64_t g = 0; g < group; ++g) {
-        const T* qh = q + tok * q_stride_tok + (kvh * group + g) * q_stride_head;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * scale;
+        const T* qh = step.q + tok * step.q_stride_tok + (kvh * group + g) * step.q_stride_head;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * step.scale;
       }
-      attend(qf.data(), key_cache + kvh * D, value_cache + kvh * D, block_stride, token_stride,
-             block_table + req * block_table_stride, kv_len, group, D, block_size,
-             logits.data(), acc.data());
+      attend(qf.data(), step.key_cache + kvh * D, step.value_cache + kvh * D, step.block_stride,
+             step.token_stride, step.block_table + req * step.block_table_stride, kv_len, group, D,
+             step.block_size, logits.data(), acc.data());
       for (int64_t g = 0; g < group; ++g) {
-        T* o = out + tok * out_stride_tok + (kvh * group + g) * out_stride_head;
+        T* o = step.out + tok * step.out_stride_tok + (kvh * group + g) * step.out_stride_head;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
       }
     }
@@ -503,60 +516,56 @@ int64_t tile_min_query_len(int64_t head_size, int64_t group) {
 // Items (tile, kv head) are taken longest first from a shared counter, so that the threads end
 // together although the last tiles of a long prompt see far more keys than its first.
 template <typename T>
-void attend_tiles(const T* q, int64_t q_stride_tok, int64_t q_stride_head, const T* key_cache,
-                  const T* value_cache, int64_t block_stride, int64_t token_stride,
-                  const int32_t* query_start_loc, const int32_t* seq_lens,
-                  const int32_t* block_table, int64_t block_table_stride, T* out,
-                  int64_t out_stride_tok, int64_t out_stride_head, int64_t num_reqs,
-                  int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                  float scale, int64_t min_query_len, int64_t max_query_len) {
+void attend_tiles(const PagedStep<T>& step, int64_t min_query_len, int64_t max_query_len) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    const int64_t group = num_heads / num_kv_heads;
-    const TileShape shape = pick_tile(head_size, group);
+    const int64_t group = step.num_heads / step.num_kv_heads;
+    const TileShape shape = pick_tile(step.head_size, group);
     if (shape.rows == 0) return;
     struct Tile {
       int64_t req, row0, n, first_kv_len;
     };
     std::vector<Tile> tiles;
     int64_t max_kv = 0;
-    for (int64_t r = 0; r < num_reqs; ++r) {
-      const int64_t query_len = query_start_loc[r + 1] - query_start_loc[r];
+    for (int64_t r = 0; r < step.num_reqs; ++r) {
+      const int64_t query_len = step.query_start_loc[r + 1] - step.query_start_loc[r];
       if (query_len < min_query_len || query_len > max_query_len) continue;
-      const int64_t context = seq_lens[r] - query_len;
+      const int64_t context = step.seq_lens[r] - query_len;
       for (int64_t row0 = 0; row0 < query_len; row0 += shape.rows) {
         tiles.push_back({r, row0, std::min(shape.rows, query_len - row0), context + row0 + 1});
       }
-      max_kv = std::max<int64_t>(max_kv, seq_lens[r]);
+      max_kv = std::max<int64_t>(max_kv, step.seq_lens[r]);
     }
     if (tiles.empty()) return;
     std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
       return a.first_kv_len + a.n > b.first_kv_len + b.n;
     });
-    const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+    const int64_t num_items = static_cast<int64_t>(tiles.size()) * step.num_kv_heads;
     const int64_t vectors = shape.rows * group;
     const int64_t stride = (max_kv + 15) / 16 * 16;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      std::vector<float> qt(vectors * head_size), logits(vectors * stride);
+      std::vector<float> qt(vectors * step.head_size), logits(vectors * stride);
       std::vector<float*> out_rows(vectors);
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-        const Tile& tile = tiles[item / num_kv_heads];
-        const int64_t kvh = item % num_kv_heads;
+        const Tile& tile = tiles[item / step.num_kv_heads];
+        const int64_t kvh = item % step.num_kv_heads;
         std::fill(qt.begin(), qt.end(), 0.f);
         for (int64_t i = 0; i < tile.n; ++i) {
-          const int64_t tok = query_start_loc[tile.req] + tile.row0 + i;
+          const int64_t tok = step.query_start_loc[tile.req] + tile.row0 + i;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t head = kvh * group + g;
-            const float* qh = q + tok * q_stride_tok + head * q_stride_head;
-            float* dst = qt.data() + (i * group + g) * head_size;
-            for (int64_t d = 0; d < head_size; ++d) dst[d] = qh[d] * scale;
-            out_rows[i * group + g] = out + tok * out_stride_tok + head * out_stride_head;
+            const float* qh = step.q + tok * step.q_stride_tok + head * step.q_stride_head;
+            float* dst = qt.data() + (i * group + g) * step.head_size;
+            for (int64_t d = 0; d < step.head_size; ++d) dst[d] = qh[d] * step.scale;
+            out_rows[i * group + g] =
+                step.out + tok * step.out_stride_tok + head * step.out_stride_head;
           }
         }
-        shape.fn(qt.data(), key_cache + kvh * head_size, value_cache + kvh * head_size,
-                 block_stride, token_stride, block_table + tile.req * block_table_stride,
-                 block_size, tile.first_kv_len, tile.n, logits.data(), stride, out_rows.data());
+        shape.fn(qt.data(), step.key_cache + kvh * step.head_size,
+                 step.value_cache + kvh * step.head_size, step.block_stride, step.token_stride,
+                 step.block_table + tile.req * step.block_table_stride, step.block_size,
+                 tile.first_kv_len, tile.n, logits.data(), stride, out_rows.data());
       }
     });
   }
@@ -607,23 +616,17 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, query.scalar_type(), "fleetserve_cpu_paged_attention", [&] {
         const scalar_t* cache = kv_cache.const_data_ptr<scalar_t>();
-        const int64_t min_tile = tile_min_query_len<scalar_t>(head_size, num_heads / num_kv_heads);
-        attend_rows<scalar_t>(
+        const PagedStep<scalar_t> step{
             query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1), cache,
             cache + kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
             block_table.const_data_ptr<int32_t>(), block_table.stride(0),
             out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
             num_tokens, num_heads, num_kv_heads, head_size, block_size,
-            static_cast<float>(scale), max_query_len, min_tile);
-        attend_tiles<scalar_t>(
-            query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1), cache,
-            cache + kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
-            block_table.const_data_ptr<int32_t>(), block_table.stride(0),
-            out.mutable_data_ptr<scalar_t>(), out.stride(0), out.stride(1), num_reqs,
-            num_heads, num_kv_heads, head_size, block_size, static_cast<float>(scale),
-            min_tile, max_query_len);
+            static_cast<float>(scale)};
+        const int64_t min_tile = tile_min_query_len<scalar_t>(head_size, num_heads / num_kv_heads);
+        attend_rows(step, max_query_len, min_tile);
+        attend_tiles(step, min_tile, max_query_len);
       });
 }
 
