@@ -17,7 +17,10 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetserve.engine.models.arch import ModelArch
 
 _BACKENDS = ("cpu_paged", "torch")
 
@@ -65,7 +68,7 @@ def prefill_step(total: int, min_prompt: int, max_prompt: int, seed: int) -> Att
 def time_step(
     backend_name: str,
     step: AttentionStep,
-    shape: dict[str, Any],
+    arch: ModelArch,
     reps: int,
     seed: int,
     block_size: int = 16,
@@ -80,8 +83,7 @@ def time_step(
     cls = {"cpu_paged": CpuPagedAttentionBackend, "torch": TorchAttentionBackend}[backend_name]
     if cls.is_available() is not None:
         return None
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_size = shape.get("head_dim", shape["hidden_size"] // heads)
+    heads, kv_heads, head_size = arch.num_attention_heads, arch.num_key_value_heads, arch.head_size
     seq_lens = [q + c for q, c in zip(step.query_lens, step.context_lens, strict=True)]
     blocks_of = [-(-s // block_size) for s in seq_lens]
     ids = list(range(1, sum(blocks_of) + 1))
@@ -132,6 +134,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from fleetserve.bench.decode import SHAPES
     from fleetserve.bench.roofline import measure_roofline
+    from fleetserve.engine.models.arch import ModelArch
 
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     unknown = sorted(set(names) - set(_BACKENDS))
@@ -140,9 +143,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     for flag in ("decode_rows", "decode_context", "reps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    shape = SHAPES[args.shape]
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_size = shape.get("head_dim", shape["hidden_size"] // heads)
+    arch = ModelArch.from_hf_config(SHAPES[args.shape])
+    heads, kv_heads, head_size = arch.num_attention_heads, arch.num_key_value_heads, arch.head_size
     steps = [
         prefill_step(args.prefill_tokens, args.min_prompt, args.max_prompt, args.seed),
         AttentionStep(
@@ -156,7 +158,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     print(f"{'step':<8} {'backend':<10} {'ms':>8} {'vs torch':>9} {'rate':>14}")
     for step in steps:
-        timings = {name: time_step(name, step, shape, args.reps, args.seed) for name in names}
+        timings = {name: time_step(name, step, arch, args.reps, args.seed) for name in names}
         base = timings.get("torch")
         for name, seconds in timings.items():
             if seconds is None:

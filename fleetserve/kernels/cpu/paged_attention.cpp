@@ -289,19 +289,19 @@ void attend_rows(const PagedStep<T>& step, int64_t max_query_len, int64_t min_ti
   const AttendFn<T> attend = pick_attend<T>(D, group);
   at::parallel_for(0, step.num_tokens * step.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * D), acc(group * D), logits(group * max_seq_len);
+    const int32_t* starts = step.query_start_loc;
     int64_t req = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tok = item / step.num_kv_heads;
       const int64_t kvh = item % step.num_kv_heads;
       // The request owning this row: query_start_loc is sorted, items ascend within a chunk.
-      const int32_t* starts = step.query_start_loc;
       if (req >= step.num_reqs || tok < starts[req] || tok >= starts[req + 1]) {
         req = std::upper_bound(starts, starts + step.num_reqs + 1, (int32_t)tok) - starts - 1;
       }
-      const int64_t query_len = step.query_start_loc[req + 1] - step.query_start_loc[req];
+      const int64_t query_len = starts[req + 1] - starts[req];
       if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
       if (query_len >= min_tile_query_len) continue;  // attend_tiles computes it
-      const int64_t row = tok - step.query_start_loc[req];
+      const int64_t row = tok - starts[req];
       // Causal: this row sees every cached position up to and including its own.
       const int64_t kv_len = step.seq_lens[req] - query_len + row + 1;
       for (int64_t g = 0; g < group; ++g) {
@@ -364,8 +364,7 @@ struct PrefillTile {
   static constexpr int64_t kValueVectors = std::max<int64_t>(1, 16 / kChunks);
 
   // `q` holds kVectors × kHeadSize scaled queries (rows past n zero), `logits` kVectors ×
-  // `stride` floats, `key_rows` 16 pointers; out_rows[i * kGroup + g] receives vector (i, g)
-  // for the n real rows.
+  // `stride` floats; out_rows[i * kGroup + g] receives vector (i, g) for the n real rows.
   static void run(const float* q, const float* key_cache, const float* value_cache,
                   int64_t block_stride, int64_t token_stride, const int32_t* blocks,
                   int64_t block_size, int64_t first_kv_len, int64_t n, float* logits,
@@ -490,26 +489,24 @@ TileShape pick_tile(int64_t head_size, int64_t group) {
     default: return {nullptr, 0};
   }
 }
-#else
-struct TileShape {
-  void* fn;
-  int64_t rows;
-};
-inline TileShape pick_tile(int64_t, int64_t) { return {nullptr, 0}; }
 #endif
+
+// Query rows per prefill tile of a float32 step (0: no tiled variant for this shape or build).
+int64_t prefill_tile_rows(int64_t head_size, int64_t group) {
+#if defined(__AVX512F__)
+  return pick_tile(head_size, group).rows;
+#else
+  return 0;
+#endif
+}
 
 // The query length from which a request's rows go through the tiles rather than the row walk
 // (INT64_MAX: no tiled variant for this dtype and shape): half a tile, where the tile's wasted
 // rows cost less than the walk's extra work on the real ones.
 template <typename T>
 int64_t tile_min_query_len(int64_t head_size, int64_t group) {
-  if constexpr (!std::is_same_v<T, float>) {
-    return std::numeric_limits<int64_t>::max();
-  } else {
-    const TileShape shape = pick_tile(head_size, group);
-    return shape.rows == 0 ? std::numeric_limits<int64_t>::max()
-                           : std::max<int64_t>(2, shape.rows / 2);
-  }
+  const int64_t rows = std::is_same_v<T, float> ? prefill_tile_rows(head_size, group) : 0;
+  return rows == 0 ? std::numeric_limits<int64_t>::max() : std::max<int64_t>(2, rows / 2);
 }
 
 // The rows of requests whose query is [min_query_len, max_query_len] tokens long, in tiles.
@@ -670,6 +667,8 @@ TORCH_LIBRARY(fleetserve_cpu, m) {
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale, int max_query_len, Tensor(a!) out) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  // Not a tensor op: which shapes the backend may send long prefill chunks to.
+  m.def("prefill_tile_rows(int head_size, int group) -> int", &prefill_tile_rows);
 }
 
 TORCH_LIBRARY_IMPL(fleetserve_cpu, CPU, m) {

@@ -14,6 +14,8 @@ backend's path (gather the request's blocks once, one SDPA call); both run in th
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from fleetserve.engine.layers.attention.metadata import AttentionMetadata
@@ -24,30 +26,28 @@ FUSED_MAX_QUERY_LEN = 8
 """Requests computing at most this many tokens in a step use the fused kernel on any shape."""
 
 
-TILED_HEAD_SIZES = (32, 64, 128)
-TILED_GROUPS = (1, 2, 3, 4, 8)
-"""The (head size, GQA group) pairs the kernel has prefill tiles for (`PrefillTile`)."""
-
-
+@cache
 def fused_takes_long_queries(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
 ) -> bool:
     """Whether prefill chunks of any length go through the fused kernel rather than SDPA.
 
     Float32 on an AVX-512 build only (bfloat16 rows lost to SDPA, 0.3-0.8). There the kernel
-    computes prefill rows in tiles (`TILED_HEAD_SIZES` x `TILED_GROUPS`: each 16-key chunk loaded
-    once for up to 16 query vectors), and `fleetserve bench attention` put it ahead of SDPA's
-    gather + causal call on a 2048-token step of prompts of 32-512 tokens: 2.05x with 4 heads of
-    32 in 2 KV heads, 1.71x with 9 of 64 in 3; and without a group (MHA, where the row-at-a-time
-    walk had lost at 0.3-0.8) 2.21x at 4 x 32, 1.55x at 8 x 64, 1.14x at 16 x 128. Other head
-    sizes that are a multiple of 16 keep the row walk, which beat SDPA only when each key row
-    serves a group of two or more query heads (1.08-1.54 per request at 300, 512 and 256 after
-    512 tokens).
+    computes prefill rows in tiles where it has a variant for the shape (its `prefill_tile_rows`:
+    head sizes 32, 64, 128 with groups 1, 2, 3, 4, 8; each 16-key chunk loaded once for up to 16
+    query vectors), and `fleetserve bench attention` put it ahead of SDPA's gather + causal call
+    on a 2048-token step of prompts of 32-512 tokens: 2.05x with 4 heads of 32 in 2 KV heads,
+    1.71x with 9 of 64 in 3; and without a group (MHA, where the row-at-a-time walk had lost at
+    0.3-0.8) 2.21x at 4 x 32, 1.55x at 8 x 64, 1.14x at 16 x 128. Other head sizes that are a
+    multiple of 16 keep the row walk, which beat SDPA only when each key row serves a group of
+    two or more query heads (1.08-1.54 per request at 300, 512 and 256 after 512 tokens).
+    Cached: it depends on the model's shape and the machine only, and the backend asks it in
+    every attention call.
     """
     if dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
     group = num_heads // num_kv_heads
-    if head_size in TILED_HEAD_SIZES and group in TILED_GROUPS:
+    if torch.ops.fleetserve_cpu.prefill_tile_rows(head_size, group) > 0:
         return True
     return head_size % 16 == 0 and group >= 2
 
