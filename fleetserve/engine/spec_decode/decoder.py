@@ -75,7 +75,7 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.bind_kv_caches(num_blocks)
 
-    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+    def zero_blocks(self, block_ids: list[int]) -> None:
         if self.draft is not None:
             self.draft.zero_blocks(block_ids)
 

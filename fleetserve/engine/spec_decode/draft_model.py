@@ -40,6 +40,7 @@ from fleetserve.engine.models.loader import load_model
 from fleetserve.engine.sampling_params import SAMPLING_EPS
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import StepInputs
+from fleetserve.engine.worker.kv_zeroing import zero_kv_blocks
 
 
 def draft_engine_config(config: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
@@ -95,9 +96,8 @@ class DraftModelProposer:
             for layer in attention_layers(self.model)
         }
 
-    def zero_blocks(self, block_ids: torch.Tensor) -> None:
-        for cache in self.kv_caches.values():
-            cache[:, block_ids] = 0
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        zero_kv_blocks(list(self.kv_caches.values()), block_ids)
 
     def catch_up(self, inputs: StepInputs) -> None:
         """Write the draft's KV for every token the target computed this step."""

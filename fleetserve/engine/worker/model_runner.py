@@ -57,6 +57,7 @@ from fleetserve.engine.structured_output.step_bitmask import GrammarBitmask
 from fleetserve.engine.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture_sizes
 from fleetserve.engine.worker.input_batch import CachedRequestState, InputBatch
 from fleetserve.engine.worker.input_prep import InputPreparer, StepInputs, cdiv
+from fleetserve.engine.worker.kv_zeroing import zero_kv_blocks
 from fleetserve.engine.worker.logprobs import logprobs_row, prompt_logprobs
 from fleetserve.engine.worker.step_buffers import StepBuffers
 
@@ -444,11 +445,9 @@ class ModelRunner:
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)
         if so.new_block_ids_to_zero:
-            block_ids = torch.tensor(so.new_block_ids_to_zero, device=self.device)
-            for kv_cache in self.kv_caches:
-                kv_cache[:, block_ids] = 0
+            zero_kv_blocks(self.kv_caches, so.new_block_ids_to_zero)
             if self.spec is not None:
-                self.spec.zero_blocks(block_ids)
+                self.spec.zero_blocks(so.new_block_ids_to_zero)
         for new in so.scheduled_new_reqs:
             batch.remove_request(new.req_id)
         batch.condense()

@@ -280,40 +280,57 @@ struct PagedStep {
   float scale;
 };
 
+// The rows of requests whose query is shorter than min_tile_query_len (and at most
+// max_query_len), one item per (row, kv head). Items are taken longest first from a shared
+// counter, as attend_tiles does: a static split of a decode batch left one thread up to a tenth
+// of the call idle at the join (rows of 32-640 cached tokens), long enough for it to sleep.
 template <typename T>
 void attend_rows(const PagedStep<T>& step, int64_t max_query_len, int64_t min_tile_query_len) {
   const int64_t group = step.num_heads / step.num_kv_heads;
   const int64_t D = step.head_size;
-  const int64_t max_seq_len =
-      step.num_reqs == 0 ? 0 : *std::max_element(step.seq_lens, step.seq_lens + step.num_reqs);
-  const AttendFn<T> attend = pick_attend<T>(D, group);
-  at::parallel_for(0, step.num_tokens * step.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), logits(group * max_seq_len);
-    const int32_t* starts = step.query_start_loc;
-    int64_t req = 0;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tok = item / step.num_kv_heads;
-      const int64_t kvh = item % step.num_kv_heads;
-      // The request owning this row: query_start_loc is sorted, items ascend within a chunk.
-      if (req >= step.num_reqs || tok < starts[req] || tok >= starts[req + 1]) {
-        req = std::upper_bound(starts, starts + step.num_reqs + 1, (int32_t)tok) - starts - 1;
-      }
-      const int64_t query_len = starts[req + 1] - starts[req];
-      if (query_len > max_query_len) continue;  // left to the caller (prefill chunks)
-      if (query_len >= min_tile_query_len) continue;  // attend_tiles computes it
-      const int64_t row = tok - starts[req];
+  struct Row {
+    int64_t tok, req, kv_len;
+  };
+  std::vector<Row> rows;
+  rows.reserve(step.num_tokens);
+  int64_t max_kv_len = 0;
+  for (int64_t r = 0; r < step.num_reqs; ++r) {
+    const int64_t start = step.query_start_loc[r];
+    const int64_t query_len = step.query_start_loc[r + 1] - start;
+    // Longer queries are the tiles' (attend_tiles) or the caller's (prefill chunks).
+    if (query_len > max_query_len || query_len >= min_tile_query_len) continue;
+    for (int64_t i = 0; i < query_len; ++i) {
       // Causal: this row sees every cached position up to and including its own.
-      const int64_t kv_len = step.seq_lens[req] - query_len + row + 1;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qh = step.q + tok * step.q_stride_tok + (kvh * group + g) * step.q_stride_head;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * step.scale;
-      }
-      attend(qf.data(), step.key_cache + kvh * D, step.value_cache + kvh * D, step.block_stride,
-             step.token_stride, step.block_table + req * step.block_table_stride, kv_len, group, D,
-             step.block_size, logits.data(), acc.data());
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = step.out + tok * step.out_stride_tok + (kvh * group + g) * step.out_stride_head;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
+      const int64_t kv_len = step.seq_lens[r] - query_len + i + 1;
+      rows.push_back({start + i, r, kv_len});
+      max_kv_len = std::max(max_kv_len, kv_len);
+    }
+  }
+  if (rows.empty()) return;
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const Row& a, const Row& b) { return a.kv_len > b.kv_len; });
+  const AttendFn<T> attend = pick_attend<T>(D, group);
+  const int64_t num_rows = static_cast<int64_t>(rows.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(group * D), acc(group * D), logits(group * max_kv_len);
+    for (int64_t i = next.fetch_add(1); i < num_rows; i = next.fetch_add(1)) {
+      const Row& row = rows[i];
+      for (int64_t kvh = 0; kvh < step.num_kv_heads; ++kvh) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qh =
+              step.q + row.tok * step.q_stride_tok + (kvh * group + g) * step.q_stride_head;
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qh[d]) * step.scale;
+        }
+        attend(qf.data(), step.key_cache + kvh * D, step.value_cache + kvh * D,
+               step.block_stride, step.token_stride,
+               step.block_table + row.req * step.block_table_stride, row.kv_len, group, D,
+               step.block_size, logits.data(), acc.data());
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = step.out + row.tok * step.out_stride_tok +
+                 (kvh * group + g) * step.out_stride_head;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
+        }
       }
     }
   });
@@ -660,6 +677,49 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
+// Zero blocks `block_ids` (int64) of every cache in `kv_caches` (contiguous CPU tensors whose
+// dim 1 indexes blocks; all of dim 0, K and V, is zeroed): the blocks a step newly allocated.
+// Every id is checked before anything is written. One call for all layers instead of an
+// index_put per layer; spread over threads only from kZeroGrainBytes a thread, since a
+// parallel region after a pause waits for the sleeping workers (about 50 us on a VM) and a
+// decode step's few blocks take less than that to zero on one core.
+constexpr int64_t kZeroGrainBytes = 256 << 10;
+
+void zero_blocks(at::TensorList kv_caches, const at::Tensor& block_ids) {
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1 &&
+                  block_ids.is_contiguous() && block_ids.device().is_cpu(),
+              "block_ids must be a contiguous 1-d int64 CPU tensor");
+  const int64_t n = block_ids.size(0);
+  const int64_t* ids = block_ids.const_data_ptr<int64_t>();
+  struct Span {
+    char* start;
+    int64_t bytes;
+  };
+  std::vector<Span> spans;
+  int64_t total = 0;
+  for (const at::Tensor& cache : kv_caches) {
+    TORCH_CHECK(cache.device().is_cpu() && cache.dim() >= 2 && cache.is_contiguous(),
+                "each kv cache must be a contiguous CPU tensor of at least 2 dims");
+    const int64_t num_blocks = cache.size(1), item = cache.element_size();
+    const int64_t block_bytes = cache.stride(1) * item, outer_bytes = cache.stride(0) * item;
+    char* base = static_cast<char*>(cache.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block id ", ids[i],
+                  " is outside the cache's ", num_blocks, " blocks");
+      for (int64_t j = 0; j < cache.size(0); ++j) {
+        spans.push_back({base + j * outer_bytes + ids[i] * block_bytes, block_bytes});
+        total += block_bytes;
+      }
+    }
+  }
+  if (spans.empty()) return;
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+  const int64_t grain = std::max<int64_t>(1, kZeroGrainBytes * num_spans / std::max<int64_t>(1, total));
+  at::parallel_for(0, num_spans, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memset(spans[i].start, 0, spans[i].bytes);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fleetserve_cpu, m) {
@@ -667,6 +727,7 @@ TORCH_LIBRARY(fleetserve_cpu, m) {
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale, int max_query_len, Tensor(a!) out) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("zero_blocks(Tensor(a!)[] kv_caches, Tensor block_ids) -> ()");
   // Not a tensor op: which shapes the backend may send long prefill chunks to.
   m.def("prefill_tile_rows(int head_size, int group) -> int", &prefill_tile_rows);
 }
@@ -674,4 +735,5 @@ TORCH_LIBRARY(fleetserve_cpu, m) {
 TORCH_LIBRARY_IMPL(fleetserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("zero_blocks", &zero_blocks);
 }

@@ -39,7 +39,12 @@ constexpr int64_t kPanel = 32;        // output columns a panel (two zmm)
 constexpr int64_t kBlockK = 128;      // K a block: 16 KiB of a panel's weight
 constexpr int64_t kChunkRows = 64;    // rows whose partial sums one panel keeps at a time
 constexpr int64_t kPrefetchBytes = 32 << 10;
-constexpr int64_t kGrainBytes = 64 << 10;  // a thread's least share of the weight stream
+// A thread's least share of the weight stream. Small on purpose: a GEMM kept on one thread
+// leaves the other OpenMP workers idle past their spin (about 0.1 ms), so they sleep, and the
+// next parallel region (the attention) waits about 50 us on a VM for each to wake. At 64 KiB the
+// tiny model's GEMMs (at most 64 KiB of weight) ran on one thread and its 64-request decode
+// steps slept about 4 times each; at 8 KiB (one panel of 64 inputs) about 1.5 times.
+constexpr int64_t kGrainBytes = 8 << 10;
 
 bool supported() {
 #if defined(__AVX512F__)

@@ -119,10 +119,12 @@ def test_fused_equals_torch_reference_and_oracle(case: int, dtype: torch.dtype) 
     torch.testing.assert_close(whole, oracle, atol=tol, rtol=tol)
 
 
-def test_prefill_tiles_give_the_same_bits_on_one_thread_and_two() -> None:
-    """The tiles are handed out longest first from a shared counter: which thread computes one
-    must not change a bit of it."""
-    query_lens, context_lens = [70, 1, 33, 9, 1], [0, 200, 64, 500, 31]
+def test_tiles_and_rows_give_the_same_bits_on_one_thread_and_two() -> None:
+    """Tiles and the row walk's rows are handed out longest first from a shared counter: which
+    thread computes one must not change a bit of it (decode rows of 6 to 701 keys, a 3-row
+    request below the tile threshold, prefill chunks in tiles)."""
+    query_lens = [70, 1, 33, 9, 1, 1, 1, 3, 1]
+    context_lens = [0, 200, 64, 500, 31, 700, 5, 90, 333]
     cache, q, _, _, table, slots = _random_step(
         random.Random(5), query_lens, context_lens, 4, 2, 32, 16, torch.float32
     )
