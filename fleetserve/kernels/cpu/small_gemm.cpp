@@ -25,7 +25,10 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <strings.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -39,12 +42,27 @@ constexpr int64_t kPanel = 32;        // output columns a panel (two zmm)
 constexpr int64_t kBlockK = 128;      // K a block: 16 KiB of a panel's weight
 constexpr int64_t kChunkRows = 64;    // rows whose partial sums one panel keeps at a time
 constexpr int64_t kPrefetchBytes = 32 << 10;
-// A thread's least share of the weight stream. Small on purpose: a GEMM kept on one thread
-// leaves the other OpenMP workers idle past their spin (about 0.1 ms), so they sleep, and the
-// next parallel region (the attention) waits about 50 us on a VM for each to wake. At 64 KiB the
-// tiny model's GEMMs (at most 64 KiB of weight) ran on one thread and its 64-request decode
-// steps slept about 4 times each; at 8 KiB (one panel of 64 inputs) about 1.5 times.
-constexpr int64_t kGrainBytes = 8 << 10;
+// A thread's least share of the weight stream, by what starting a parallel region costs.
+// With spinning workers (OMP_WAIT_POLICY=ACTIVE, which fleetserve sets on dedicated cores) a
+// region costs a microsecond or two, and a GEMM kept on one thread is what costs: the other
+// workers idle past their bounded spin (about 0.1 ms), sleep, and the next region (the
+// attention) waits about 50 us on a VM for each to wake. So split from one 8 KiB panel: in the
+// tiny model's 64-prompt run (every GEMM at most 64 KiB of weight) the threads then slept 200
+// times instead of 445, and the run took 0.39-0.42 s instead of 0.43-0.45. With sleeping
+// workers (PASSIVE) every region pays that wake-up, so a thread takes at least 64 KiB (at 8 KiB
+// the same run took 0.56-0.61 s instead of 0.47-0.51).
+constexpr int64_t kGrainBytesSpinning = 8 << 10;
+constexpr int64_t kGrainBytesSleeping = 64 << 10;
+
+// Whether the OpenMP workers spin between regions: libgomp's policy, read from the same
+// variable libgomp reads once at start (unset: libgomp spins for a while too).
+bool workers_spin() {
+  static const bool spin = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy == nullptr || strcasecmp(policy, "PASSIVE") != 0;
+  }();
+  return spin;
+}
 
 bool supported() {
 #if defined(__AVX512F__)
@@ -185,7 +203,8 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const float* wp = packed.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t panel_bytes = k * kPanel * static_cast<int64_t>(sizeof(float));
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, panel_bytes));
+  const int64_t grain_bytes = workers_spin() ? kGrainBytesSpinning : kGrainBytesSleeping;
+  const int64_t grain = std::max<int64_t>(1, grain_bytes / std::max<int64_t>(1, panel_bytes));
   if (rows > 0) {
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
