@@ -127,6 +127,22 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
 
+    def set_last_tokens(self, rows: list[int], positions: list[int], token_ids: list[int]) -> None:
+        """`set_tokens` of one token for each of `rows` at once: token i at positions[i] of
+        rows[i], which then ends after it (a step's sampled tokens, one numpy write).
+
+        Raises:
+            ValueError: a position at or past max_model_len (nothing is written then).
+        """
+        if not rows:
+            return
+        where = np.asarray(positions, dtype=np.int64)
+        if int(where.max()) >= self.max_model_len:
+            raise ValueError(f"a token position reaches max_model_len={self.max_model_len}")
+        index = np.asarray(rows, dtype=np.int64)
+        self.token_ids[index, where] = token_ids
+        self.num_tokens[index] = where + 1
+
     def append_block_ids(self, req_id: str, block_ids: list[int]) -> None:
         row = self.req_id_to_index[req_id]
         start = int(self.num_blocks[row])

@@ -45,3 +45,21 @@ def test_full_batch_and_duplicate_ids_are_rejected() -> None:
         batch.add_request(_state("a", [1], [1]))
     with pytest.raises(ValueError, match="max_num_seqs=1"):
         batch.add_request(_state("b", [1], [1]))
+
+
+def test_a_steps_sampled_tokens_land_in_one_write_as_set_tokens_would() -> None:
+    batch = InputBatch(max_num_reqs=3, max_model_len=4, max_num_blocks_per_req=1)
+    for req_id, prompt in (("a", [1, 2]), ("b", [3]), ("c", [4, 5, 6])):
+        batch.add_request(_state(req_id, prompt, [1]))
+    expected = InputBatch(max_num_reqs=3, max_model_len=4, max_num_blocks_per_req=1)
+    for req_id, prompt in (("a", [1, 2]), ("b", [3]), ("c", [4, 5, 6])):
+        expected.add_request(_state(req_id, prompt, [1]))
+    expected.set_tokens("c", 3, [9])
+    expected.set_tokens("a", 2, [7])
+    batch.set_last_tokens([2, 0], [3, 2], [9, 7])
+    assert batch.token_ids.tolist() == expected.token_ids.tolist()
+    assert batch.num_tokens.tolist() == expected.num_tokens.tolist() == [3, 1, 4]
+    batch.set_last_tokens([], [], [])  # a step that samples nothing
+    with pytest.raises(ValueError, match="reaches max_model_len=4"):
+        batch.set_last_tokens([1, 2], [1, 4], [8, 8])
+    assert batch.token_ids[1, 1] == 0 and batch.num_tokens[1] == 1  # nothing written
