@@ -68,6 +68,13 @@ def test_the_draining_label_drops_the_pod_from_the_fleet_at_once_and_unlabelling
         try:
             both = {"http://10.2.0.1:8000", "http://10.2.0.2:8000"}
             await engines(both)
+            # NOTE: discovery lists each selector (prefill, decode) once at start, in either
+            # order; both engines can appear from the decode list before the prefill list is
+            # made, which would then read as a relist caused by the event.
+            start = time.monotonic()
+            while api.lists < 2:
+                assert time.monotonic() - start < 10, api.lists
+                await asyncio.sleep(0.005)
             lists = api.lists
             drained = _pod("d-0", "10.2.0.1", {LABEL_DRAINING: "true"})
             await api.queue("r=d").put({"type": "MODIFIED", "object": drained})

@@ -24,6 +24,7 @@ layer on stdout as it finishes); `diagnose` starts this host's ranks, bounds eac
 
 from __future__ import annotations
 
+import contextlib
 import argparse
 import json
 import subprocess
@@ -220,7 +221,22 @@ def run_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if store is not None:
+            _leave(store, rank, world_size, timeout_s)
         del store
+
+
+def _leave(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Say this rank is done with the store; rank 0, which hosts it, keeps it up until every
+    rank has (or `timeout_s` passed). Otherwise a fast failure on rank 0 closes the store under
+    a slower rank, which then fails its next store call (still in the rendezvous's poll, or in
+    the device layer's init) with a closed connection: a second, false cause."""
+    # NOTE: a store that is gone or failing here changes no result: the layers said why.
+    with contextlib.suppress(Exception):
+        store.add("done", 1)
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and store.add("done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _cuda_graph_layer(rank: int, world_size: int, dev: Any) -> LayerResult:
