@@ -24,8 +24,8 @@ layer on stdout as it finishes); `diagnose` starts this host's ranks, bounds eac
 
 from __future__ import annotations
 
-import contextlib
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
