@@ -169,7 +169,11 @@ class KVCacheManager:
                 _cdiv(num_full_slots, self.block_size) - len(req_blocks) - len(computed_blocks),
             )
         # NOTE: hit blocks sitting in the free queue leave it when touched, so they use capacity.
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        num_revived = (
+            sum(1 for b in computed_blocks if b.ref_cnt == 0 and not b.is_null)
+            if computed_blocks
+            else 0
+        )
         if num_blocks_checked + num_revived + watermark_blocks > self.num_free_blocks:
             return None
 
@@ -181,9 +185,11 @@ class KVCacheManager:
             req_blocks = list(computed_blocks)
             self._num_cached_blocks[request.request_id] = len(computed_blocks)
         self.req_to_blocks[request.request_id] = req_blocks
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
-        self._new_block_ids.extend(block.block_id for block in new_blocks)
+        # NOTE: most decode steps of a request need no new block (one in block_size does).
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+            self._new_block_ids.extend(block.block_id for block in new_blocks)
 
         if not delay_cache_blocks:
             self.cache_blocks(request, num_computed + num_new_tokens)
@@ -198,10 +204,12 @@ class KVCacheManager:
         num_tokens_to_cache = min(num_tokens, request.num_tokens)
         num_full_blocks = min(num_tokens_to_cache // self.block_size, len(request.block_hashes))
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return  # no block filled since the last call (most decode steps)
         self.block_pool.cache_full_blocks(
             request, req_blocks, num_cached, num_full_blocks, self.block_size
         )
-        self._num_cached_blocks[request.request_id] = max(num_cached, num_full_blocks)
+        self._num_cached_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Release all of `request`'s blocks, last block first (evicted before the prefix).

@@ -281,9 +281,11 @@ struct PagedStep {
 };
 
 // The rows of requests whose query is shorter than min_tile_query_len (and at most
-// max_query_len), one item per (row, kv head). Items are taken longest first from a shared
-// counter, as attend_tiles does: a static split of a decode batch left one thread up to a tenth
-// of the call idle at the join (rows of 32-640 cached tokens), long enough for it to sleep.
+// max_query_len). Rows are taken longest first from a shared counter, as attend_tiles does its
+// tiles: a static split of a decode batch left one thread up to a tenth of the call idle at the
+// join (rows of 32-640 cached tokens), long enough for it to sleep. A row's KV heads stay on
+// one thread: handed out separately, the heads of a token row went to different cores, whose L2
+// streamers each fetched the other head's lines for nothing (25-35% slower).
 template <typename T>
 void attend_rows(const PagedStep<T>& step, int64_t max_query_len, int64_t min_tile_query_len) {
   const int64_t group = step.num_heads / step.num_kv_heads;
