@@ -186,8 +186,9 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(computed_blocks)
         self.req_to_blocks[request.request_id] = req_blocks
         # NOTE: most decode steps of a request need no new block (one in block_size does).
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if new_blocks:
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)
             self._new_block_ids.extend(block.block_id for block in new_blocks)
 

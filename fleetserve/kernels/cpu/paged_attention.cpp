@@ -716,7 +716,8 @@ void zero_blocks(at::TensorList kv_caches, const at::Tensor& block_ids) {
   }
   if (spans.empty()) return;
   const int64_t num_spans = static_cast<int64_t>(spans.size());
-  const int64_t grain = std::max<int64_t>(1, kZeroGrainBytes * num_spans / std::max<int64_t>(1, total));
+  const int64_t grain =
+      std::max<int64_t>(1, kZeroGrainBytes * num_spans / std::max<int64_t>(1, total));
   at::parallel_for(0, num_spans, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) std::memset(spans[i].start, 0, spans[i].bytes);
   });
