@@ -56,6 +56,7 @@ def make_scheduler(
     policy: str = "fcfs",
     full_sequence_must_fit: bool = False,
     watermark: float = 0.0,
+    send_sampled_tokens: bool = False,
 ) -> Scheduler:
     """A scheduler over `num_blocks` blocks (block 0 is the null block); no watermark by default."""
     return Scheduler(
@@ -75,6 +76,7 @@ def make_scheduler(
             watermark=watermark,
         ),
         num_blocks,
+        send_sampled_tokens=send_sampled_tokens,
     )
 
 

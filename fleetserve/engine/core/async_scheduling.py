@@ -19,8 +19,7 @@ How a running decode is scheduled before its step-N token is known (`AsyncReques
 - The input token: the runner appends each token it samples to its own request state (and to
   the persistent batch's token row), and the worker thread runs steps in order, so when step
   N + 1 prepares its inputs the token of step N is in the row: nothing goes back through the
-  scheduler. The scheduler's token deltas arrive later and only confirm what the runner has
-  (`ModelRunner._sync_tokens` keeps the runner's newer tokens when they agree).
+  scheduler (`step_deltas`: a one-stage engine sends running requests no tokens).
 - Limits: a request whose placeholders already reach `max_tokens` or the longest sequence is
   not scheduled again: its in-flight token is its last (or it stops earlier).
 - A request that finishes at step N (EOS, stop token, length, abort) while it is also in step

@@ -134,6 +134,7 @@ class EngineCore:
             speculative_config=config.speculative,
             max_concurrent_batches=num_batches,
             max_loras=None if config.lora is None else config.lora.max_loras,
+            send_sampled_tokens=config.parallel.pipeline_parallel_size > 1,
         )
         self._block_hasher = (
             get_request_block_hasher(config.cache.block_size)

@@ -47,7 +47,9 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    """Tokens sampled last step, for runners that do not keep them (pipeline ranks)."""
+    """Each request's tokens since it was last sent, for runners that do not sample them (the
+    stages of a pipeline before the last); empty (no list per request) in a one-stage engine,
+    whose runners keep the tokens they sample (see `step_deltas`)."""
     new_block_ids: list[list[int]] = field(default_factory=list)
     """Blocks appended to each request's block table this step (block tables are append-only)."""
     num_computed_tokens: list[int] = field(default_factory=list)

@@ -95,7 +95,10 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         max_concurrent_batches: int = 1,
         max_loras: int | None = None,
+        send_sampled_tokens: bool = False,
     ) -> None:
+        """`send_sampled_tokens`: some runner samples nothing itself (a pipeline of several
+        stages), so running requests' new tokens go with every step (see `step_deltas`)."""
         self.config = scheduler_config
         self.max_loras = max_loras
         self.connector = connector if connector is not None else NoKVConnector()
@@ -130,7 +133,7 @@ class Scheduler:
         """Suspects of a failed step, each run alone next (see `step_isolation`)."""
         self._pending_preempted: set[str] = set()
         """Preempted outside `schedule()` (a failed step's requests): told to the runner next."""
-        self.deltas = StepDeltas()
+        self.deltas = StepDeltas(send_tokens=send_sampled_tokens)
         """What the runner has been sent of each request (new ones in full, then deltas)."""
         self.structured_output = StructuredOutputScheduling(structured_output)
         """Requests waiting for their grammar (WAITING_FOR_GRAMMAR), step bitmasks."""

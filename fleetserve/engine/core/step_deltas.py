@@ -1,5 +1,15 @@
 """The step contract's delta encoding: new requests go to the runner in full once, running ones
-as deltas (the tokens and blocks added since they were last sent)."""
+as deltas (the blocks added since they were last sent, and their new tokens only where a runner
+does not sample them itself).
+
+Sampled tokens do not make a round trip: a runner that samples appends each token to its own
+request state and input row when it samples it (`ModelRunner._append_tokens`), so a one-stage
+engine sends running requests no tokens. Every way a request's tokens can differ from what its
+runner sampled goes through a full resend: a preempted or failed-step request comes back as a
+new request, and a request whose tokens the scheduler truncates (a stop token inside accepted
+drafts, a grammar error) finishes. Only the stages of a pipeline before the last sample nothing;
+with several stages the tokens go to every runner (the last stage's just confirm its own).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +22,14 @@ __all__ = ["StepDeltas"]
 
 
 class StepDeltas:
-    """Remembers, per request, how many of its tokens the runner has been sent."""
+    """Remembers, per request, how many of its tokens the runner has been sent.
 
-    def __init__(self) -> None:
+    `send_tokens`: whether running requests' new tokens go to the runners (a pipeline of several
+    stages); without it `CachedRequestData.new_token_ids` stays empty.
+    """
+
+    def __init__(self, *, send_tokens: bool) -> None:
+        self.send_tokens = send_tokens
         self._num_tokens_sent: dict[str, int] = {}
 
     def forget(self, request_id: str) -> None:
@@ -48,15 +63,18 @@ class StepDeltas:
                     lora_request=request.lora_request,
                 )
             )
-            self._num_tokens_sent[request.request_id] = request.num_tokens
-        cached = CachedRequestData()
-        for request in scheduled_running:
-            num_sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
-            cached.req_ids.append(request.request_id)
-            cached.new_token_ids.append(request.all_token_ids[num_sent:])
-            cached.new_block_ids.append(new_block_ids[request.request_id])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            self._num_tokens_sent[request.request_id] = request.num_tokens
+            if self.send_tokens:
+                self._num_tokens_sent[request.request_id] = request.num_tokens
+        cached = CachedRequestData(
+            req_ids=[request.request_id for request in scheduled_running],
+            new_block_ids=[new_block_ids[request.request_id] for request in scheduled_running],
+            num_computed_tokens=[request.num_computed_tokens for request in scheduled_running],
+        )
+        if self.send_tokens:
+            for request in scheduled_running:
+                num_sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
+                cached.new_token_ids.append(request.all_token_ids[num_sent:])
+                self._num_tokens_sent[request.request_id] = request.num_tokens
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,

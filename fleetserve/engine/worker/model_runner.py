@@ -456,6 +456,8 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
+        # NOTE: tokens come only to the stages of a pipeline before the last (`step_deltas`).
+        token_deltas = cached.new_token_ids or None
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
@@ -467,8 +469,8 @@ class ModelRunner:
                     batch.append_block_ids(req_id, cached.new_block_ids[i])
                 row = batch.req_id_to_index[req_id]
                 batch.num_computed_tokens[row] = state.num_computed_tokens
-            if cached.new_token_ids[i]:
-                self._sync_tokens(state, cached.new_token_ids[i])
+            if token_deltas is not None and token_deltas[i]:
+                self._sync_tokens(state, token_deltas[i])
         if self.spec is not None:
             for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
                 self.spec.forget(req_id)

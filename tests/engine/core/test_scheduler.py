@@ -253,7 +253,8 @@ def test_outputs_send_new_requests_in_full_and_running_ones_as_deltas() -> None:
 
     second = step(scheduler, 9)
     cached = second.scheduled_cached_reqs
-    assert (cached.req_ids, cached.new_token_ids) == (["a"], [[9]])
+    # The runner keeps the tokens it samples: none come back through the scheduler.
+    assert (cached.req_ids, cached.new_token_ids) == (["a"], [])
     assert (cached.new_block_ids, cached.num_computed_tokens) == ([[]], [31])
     assert second.new_block_ids_to_zero == []
 
@@ -261,6 +262,18 @@ def test_outputs_send_new_requests_in_full_and_running_ones_as_deltas() -> None:
     assert third.scheduled_cached_reqs.new_block_ids == [[3]]
     assert third.new_block_ids_to_zero == [3]
     assert third.scheduled_cached_reqs.num_computed_tokens == [32]
+
+
+def test_a_pipeline_gets_the_tokens_each_running_request_gained_since_it_was_last_sent() -> None:
+    # The stages of a pipeline before the last sample nothing: they learn the tokens here.
+    scheduler = make_scheduler(send_sampled_tokens=True)
+    scheduler.add_request(make_request("a", tokens(0, 31), max_tokens=5))
+    scheduler.add_request(make_request("b", tokens(100, 3), max_tokens=5))
+    step(scheduler, {"a": 9, "b": 4})
+    cached = step(scheduler, {"a": 8, "b": 5}).scheduled_cached_reqs
+    assert (cached.req_ids, cached.new_token_ids) == (["a", "b"], [[9], [4]])
+    cached = step(scheduler, {"a": 8, "b": 5}).scheduled_cached_reqs
+    assert (cached.req_ids, cached.new_token_ids) == (["a", "b"], [[8], [5]])
 
 
 def test_empty_step_when_nothing_is_waiting() -> None:

@@ -37,6 +37,7 @@ def _scheduler(max_concurrent_batches: int, num_blocks: int = 14) -> Scheduler:
         ),
         num_blocks,
         max_concurrent_batches=max_concurrent_batches,
+        send_sampled_tokens=True,  # NOTE: a pipeline's first stages sample nothing themselves
     )
 
 

@@ -43,10 +43,15 @@ class _Req:
 
 
 class _Driver:
-    """A scripted stand-in for the scheduler: it emits exactly the messages the runner expects."""
+    """A scripted stand-in for the scheduler: it emits exactly the messages the runner expects.
 
-    def __init__(self, runner: ModelRunner) -> None:
+    `send_tokens`: running requests' new tokens go with each step, as to a pipeline's stages;
+    without it, as in a one-stage engine, the runner keeps the tokens it samples itself.
+    """
+
+    def __init__(self, runner: ModelRunner, *, send_tokens: bool = False) -> None:
         self.runner = runner
+        self.send_tokens = send_tokens
         self.reqs: dict[str, _Req] = {}
         self.next_block = 1
         self.finished: set[str] = set()
@@ -86,7 +91,8 @@ class _Driver:
                 req.is_new = False
             else:
                 cached.req_ids.append(req_id)
-                cached.new_token_ids.append(req.tokens[req.num_sent :])
+                if self.send_tokens:
+                    cached.new_token_ids.append(req.tokens[req.num_sent :])
                 cached.new_block_ids.append(new_blocks)
                 cached.num_computed_tokens.append(req.num_computed)
             req.num_sent = len(req.tokens)
@@ -170,12 +176,13 @@ def test_chunked_prefill_equals_single_prefill(runner: ModelRunner, tiny_llama_d
     assert len(chunked) == 6
 
 
-def test_two_requests_batched_equal_alone(runner: ModelRunner) -> None:
+@pytest.mark.parametrize("send_tokens", [False, True], ids=["runner-keeps-tokens", "pipeline"])
+def test_two_requests_batched_equal_alone(runner: ModelRunner, send_tokens: bool) -> None:
     alone_a = _alone(runner, PROMPT_A, steps=6)
     runner.execute_model(_empty_output(finished={"x"}))
     alone_b = _alone(runner, PROMPT_B, steps=6)
     runner.execute_model(_empty_output(finished={"x"}))
-    driver = _Driver(runner)
+    driver = _Driver(runner, send_tokens=send_tokens)
     driver.add("a", PROMPT_A)
     driver.add("b", PROMPT_B)
     driver.step({"a": 8})  # a's first chunk alone
