@@ -60,6 +60,35 @@ def test_tp2_equals_tp1_and_transformers(
         llm.engine_core.shutdown()
 
 
+@pytest.mark.timeout(300)
+def test_tp2_ranks_sample_the_same_tokens_without_the_scheduler_sending_them(
+    tiny_llama_dir: Path,
+) -> None:
+    """Every rank samples for itself and feeds its own token to the next step (the scheduler
+    sends running requests no tokens): at temperature 1, seeded and unseeded, TP=2 still gives
+    TP=1's tokens. A rank that drew another token would feed the other rank's shards a different
+    input, and the two ranks' sums would no longer be TP=1's."""
+    prompts = make_prompts(512, LENGTHS, seed=4)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=11 + i if i % 2 else None)
+        for i in range(len(prompts))
+    ]
+
+    def sample(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    single = LLM(str(tiny_llama_dir), seed=7, **SETTINGS)
+    expected = sample(single)
+    single.engine_core.shutdown()
+    llm = LLM(str(tiny_llama_dir), seed=7, tensor_parallel_size=2, **SETTINGS)
+    try:
+        assert sample(llm) == expected
+        assert llm.engine_core.make_stats().num_preemptions > 0
+    finally:
+        llm.engine_core.shutdown()
+
+
 @pytest.mark.timeout(600)
 def test_tp4_replicates_kv_heads_and_pads_the_vocabulary(
     tmp_path_factory: pytest.TempPathFactory,
