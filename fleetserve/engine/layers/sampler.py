@@ -133,10 +133,16 @@ def build_sampling_metadata(
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row of `logits` [rows, vocab]: the first of equal maxima, a NaN
-    before any number, as `argmax` (checked in tests/engine/layers/test_sampler.py). Computed as
-    `max(dim=-1).indices`, which torch vectorizes and splits over threads on the CPU: 0.44 ms for
-    32 rows of a 49,152-token vocabulary where `argmax` takes 1.06."""
+    """The argmax of each row of `logits` [rows, vocab] (int64): the first of equal maxima, a NaN
+    before any number, as `argmax` (checked in tests/engine/layers/test_sampler.py).
+
+    float32 on the CPU goes through NumPy's `argmax`, which has the same rule, is vectorized,
+    and runs on the calling thread: no OpenMP region, whose sleeping workers cost a step more
+    than the search (on the Intel box 3.7 µs for 64 rows of 512 where torch's `max` takes 13.7,
+    220 µs for 32 rows of 49,152 against 378, 3.1 µs for one row against 21.9). Elsewhere
+    `max(dim=-1).indices`, which torch vectorizes (`argmax` took 1.06 ms where it took 0.44)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.max(dim=-1).indices
 
 

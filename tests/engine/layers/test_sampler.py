@@ -327,7 +327,14 @@ def test_greedy_tokens_is_argmax_with_its_ties_and_nans() -> None:
             logits[3] = float("-inf")
         if trial % 7 == 0:
             logits[4] = float("nan")
+        if trial % 11 == 0:
+            logits[5, torch.randint(0, 300, (2,), generator=gen)] = float("inf")
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), trial
     wide = torch.randn(32, 49152, generator=gen)
     assert torch.equal(greedy_tokens(wide), wide.argmax(dim=-1))
     assert torch.equal(greedy_tokens(wide.bfloat16()), wide.bfloat16().argmax(dim=-1))
+    # The engine's case: logits made under inference mode; also rows of a strided view.
+    with torch.inference_mode():
+        made = wide * 1.0
+        assert torch.equal(greedy_tokens(made), made.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(wide[::3, ::2]), wide[::3, ::2].argmax(dim=-1))
