@@ -363,17 +363,21 @@ def multiplied_weights(hf_config: dict[str, Any]) -> int:
 
 
 def format_table(results: list[Result], workload: Workload) -> str:
+    """The results side by side; the ratio column is each engine's time over the base's, the
+    base being `fleetserve` when it ran and else the first engine (`fleetserve-sync,
+    fleetserve-async`, `-O` levels against each other)."""
+    base = next((r for r in results if r.engine == "fleetserve"), results[0] if results else None)
+    base_name = base.engine if base is not None else "fleetserve"
     lines = [
         f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.output_len} output tokens each (greedy, ignore_eos); "
         f"load average {os.getloadavg()[0]:.2f}",
-        f"{'engine':<18}{'median s':>10}{'out tok/s':>12}{'fleetserve ×':>14}",
+        f"{'engine':<18}{'median s':>10}{'out tok/s':>12}{base_name + ' ×':>20}",
     ]
-    base = next((r for r in results if r.engine == "fleetserve"), None)
     for r in results:
         ratio = base.output_tokens_per_s / r.output_tokens_per_s if base else float("nan")
         lines.append(
-            f"{r.engine:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}{ratio:>14.2f}"
+            f"{r.engine:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}{ratio:>20.2f}"
         )
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.bench.offline import Result, Workload, timed_runs
+from fleetserve.bench.offline import Result, Workload, format_table, timed_runs
 from fleetserve.cli import main
 from tests.engine.tiny_models import make_tiny_model
 
@@ -60,6 +60,24 @@ def test_an_engine_is_scored_by_its_median_run() -> None:
     assert result.runs_s == (3.0, 1.0, 2.5)
     assert result.output_tokens_per_s == 8 / 2.5
     assert result.prompt_tokens == 5
+
+
+def test_the_ratio_column_is_against_fleetserve_or_else_the_first_engine() -> None:
+    workload = Workload([[1, 2, 3], [4, 5]], output_len=4)
+    sync, fast, slow = (Result(name, (s,), 8, 5) for name, s in
+                        (("fleetserve-sync", 2.0), ("fleetserve", 1.0), ("vllm", 4.0)))  # fmt: skip
+
+    def ratios(table: str) -> dict[str, float]:
+        rows = table.splitlines()[2:]
+        return {row.split()[0]: float(row.split()[-1]) for row in rows}
+
+    with_fleetserve = format_table([sync, fast, slow], workload)
+    assert "fleetserve ×" in with_fleetserve.splitlines()[1]
+    # How many times the base's throughput each engine's is: vLLM took four times as long.
+    assert ratios(with_fleetserve) == {"fleetserve-sync": 2.0, "fleetserve": 1.0, "vllm": 4.0}
+    without = format_table([sync, slow], workload)
+    assert "fleetserve-sync ×" in without.splitlines()[1]
+    assert ratios(without) == {"fleetserve-sync": 1.0, "vllm": 2.0}
 
 
 def test_bench_offline_repeats_fleetserves_run_and_reports_the_median(
