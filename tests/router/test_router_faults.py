@@ -3,9 +3,10 @@ processes (tiny model, tcp). One prefill + one decode: the prefill engine stalle
 timeouts, its breaker opens, decode-only serves; SIGCONT: it is probed back), then killed under
 load (every request still gets the colocated tokens: retried decode-only), then the decode
 engine killed under load (the colocated tokens or a clear OpenAI-shaped error, nothing hangs,
-the router turns unready). One prefill + two decodes: a decode engine stalled (retried on the
-other before the first byte, probed back after SIGCONT), then killed under load. Streams never
-carry duplicated bytes (each streamed answer is compared token for token)."""
+the router turns unready). One prefill + two decodes: a decode engine stalled under load (probed
+back after SIGCONT), stalled again while it runs a long request (that request retried on the
+other before its first byte), then killed under load. Streams never carry duplicated bytes (each
+streamed answer is compared token for token)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ from tests.server.server_process import ServerHandle, start_server
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
+LONG_TOKENS = 200
+"""A request long enough to be caught running on a chosen decode engine (prompt 0 has 24
+tokens, so it fits MAX_MODEL_LEN)."""
 MAX_MODEL_LEN = 256
 PROMPTS = make_prompts(512, [24, 60, 130], seed=5)
 DECISIONS = "fleetserve:router_decisions_total"
@@ -174,12 +178,55 @@ def test_stall_kill_prefill_then_kill_decode(tmp_path: Path) -> None:
         producer.close()
 
 
+def _long(router: RouterHandle) -> tuple[str, Any]:
+    """Prompt 0, LONG_TOKENS greedy tokens, not streamed: ('ok', tokens) or ('error', status)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": LONG_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    response = requests.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
+    if response.status_code != 200:
+        return "error", response.status_code
+    return "ok", response.json()["choices"][0]["token_ids"]
+
+
+def _stall_while_running_on(
+    router: RouterHandle, target: ServerHandle, pool: ThreadPoolExecutor
+) -> Future[tuple[str, Any]]:
+    """Send long requests one at a time until one runs on `target`, then SIGSTOP `target` with
+    it inside (before its first byte: a non-streamed answer is sent whole). The request's
+    future is returned; the others ran elsewhere to the end."""
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "no long request ran on the target engine"
+        future = pool.submit(_long, router)
+        while not future.done():
+            if target.metrics()["vllm:num_requests_running"] >= 1:
+                _signal_all(target, signal.SIGSTOP)
+                return future
+            time.sleep(0.005)
+        future.result()
+
+
+def _until_probed_back(
+    router: RouterHandle, server: ServerHandle, expected: list[list[int]]
+) -> None:
+    """Ask the router until `server` generates again (its breaker's half-open trial)."""
+    before = server.metrics()["vllm:generation_tokens_total"]
+    deadline = time.monotonic() + 20
+    while server.metrics()["vllm:generation_tokens_total"] == before:
+        assert time.monotonic() < deadline, f"{server.base_url} was not probed back"
+        assert _ask(router, 0)[1] == ("ok", expected[0])
+        time.sleep(0.2)
+
+
 def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
     model = str(make_tiny_model(tmp_path / "model", "llama"))
     llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in
                 llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]  # fmt: skip
+    long_params = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS, ignore_eos=True)
+    [long_output] = llm.generate([{"prompt_token_ids": PROMPTS[0]}], long_params)
+    expected_long = long_output.outputs[0].token_ids
     del llm
     servers = [_serve(tmp_path, "p", model, "producer"), _serve(tmp_path, "d1", model, "consumer"),
                _serve(tmp_path, "d2", model, "consumer")]  # fmt: skip
@@ -193,14 +240,11 @@ def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
     router = next(router_gen)
     stopped = False
 
-    def generated(server: ServerHandle) -> float:
-        return server.metrics()["vllm:generation_tokens_total"]
-
     try:
-        # 1. Stall d1 (its HTTP server and engine core): requests on it time out before their
-        # first byte and are retried on d2, every such answer correct. A stream that already
-        # had its first tokens from d1 is not replayed: it ends with an error event (at most
-        # one per client thread, the ones streaming at the moment of the stall).
+        # 1. Stall d1 (its HTTP server and engine core) under load: what is routed to it times
+        # out before its first byte and is retried on d2, every such answer correct. A stream
+        # that already had its first tokens from d1 is not replayed: it ends with an error
+        # event (at most one per client thread, the ones streaming at the moment of the stall).
         def stall() -> None:
             nonlocal stopped
             _signal_all(d1, signal.SIGSTOP)
@@ -211,18 +255,25 @@ def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
         assert all(i % 2 == 1 and r == ("error", "stream") for i, r in wrong), wrong
         assert len(wrong) <= 4, wrong
         assert router.metric("fleetserve:router_ejections_total", target="decode") >= 1
-        assert router.metric("fleetserve:router_retries_total", stage="decode") >= 1
         # SIGCONT: d1 is probed back and serves again.
         _signal_all(d1, signal.SIGCONT)
         stopped = False
-        before = generated(d1)
-        deadline = time.monotonic() + 20
-        while generated(d1) == before:
-            assert time.monotonic() < deadline, "d1 was not probed back"
-            assert _ask(router, 0)[1] == ("ok", expected[0])
-            time.sleep(0.2)
+        _until_probed_back(router, d1, expected)
 
-        # 2. Kill d1 under load: what was on it is retried on d2 before its first byte, or
+        # 2. Whether the load above had a request on d1 before its first byte depends on
+        # timing (the scraper may eject d1 first); so catch one there: a long request running
+        # on d1 when it stalls times out before its first byte and is retried on d2.
+        retries = router.metric("fleetserve:router_retries_total", stage="decode")
+        with ThreadPoolExecutor(1) as pool:
+            caught = _stall_while_running_on(router, d1, pool)
+            stopped = True
+            assert caught.result(timeout=60) == ("ok", expected_long)
+        assert router.metric("fleetserve:router_retries_total", stage="decode") >= retries + 1
+        _signal_all(d1, signal.SIGCONT)
+        stopped = False
+        _until_probed_back(router, d1, expected)
+
+        # 3. Kill d1 under load: what was on it is retried on d2 before its first byte, or
         # ends with a clear error; afterwards d2 answers everything.
         results = _load(router, lambda: _signal_all(d1, signal.SIGKILL))
         for i, (kind, value) in results:
