@@ -63,27 +63,55 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_CISkipGuard(), "ci-skip-guard")
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Under `pytest -n N --dist loadgroup`, which tests must share a worker.
+SHARED_PORT_MODULES = (
+    "tests/engine/distributed/test_diag_comm.py",
+    "tests/engine/distributed/test_multipod.py",
+)
+"""Modules that are not k8s tests but whose processes bind the fixed ports the dev cluster's
+local pods use (8000, 29499-29503 on pod-like loopback addresses, as the operator renders them)."""
+K8S_SCOPE = "k8s"
 
-    Every k8s-marked test shares one worker: they share the session's one dev cluster, and two
-    control planes at once would only slow both. Every other module stays whole on one worker, so
-    its module-scoped engines start once, not once per worker; a module that sets `XDIST_GROUP`
-    shares a worker with the other modules that set the same name (they bind the same fixed
-    ports, e.g. the multi-pod groups' engine and rendezvous ports, which the dev cluster's local
-    pods use too: those modules name "k8s").
+
+def worker_scope(nodeid: str) -> str:
+    """The unit of tests `pytest -n N --dist loadgroup` hands to one worker.
+
+    Every k8s test (their modules are named `*_k8s.py`) and the `SHARED_PORT_MODULES` share one
+    worker: the k8s tests share the session's one dev cluster (two control planes at once would
+    only slow both), and all of them bind the same fixed ports. Every other module stays whole on
+    one worker, so its module-scoped engines start once, not once per worker.
+
+    NOTE: this works from the node id alone because the scheduler runs in the controller, which
+    sees node ids, not markers; xdist's own `xdist_group` marker cannot carry the groups there
+    under pytest 9.2 (xdist 3.8 appends them to `item._nodeid`, which pytest 9.2 no longer reads),
+    so tests of one group were spread over both workers and their pods' ports clashed.
     """
-    for item in items:
-        module = getattr(item, "module", None)
-        group = getattr(module, "XDIST_GROUP", None) or item.nodeid.split("::", 1)[0]
-        if "k8s" in item.keywords:
-            group = "k8s"
-        item.add_marker(pytest.mark.xdist_group(group))
+    path = nodeid.split("::", 1)[0]
+    if path.endswith("_k8s.py") or path in SHARED_PORT_MODULES:
+        return K8S_SCOPE
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerScope(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ByWorkerScope(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        _group_for_workers(items)
+    # The scheduler groups k8s tests by their module's name: a k8s test elsewhere would run
+    # beside the dev cluster's pods under `pytest -n`.
+    misplaced = [
+        i.nodeid for i in items if "k8s" in i.keywords and worker_scope(i.nodeid) != K8S_SCOPE
+    ]
+    if misplaced:
+        raise pytest.UsageError(f"k8s tests must live in modules named *_k8s.py: {misplaced}")
     if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

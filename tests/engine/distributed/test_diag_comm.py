@@ -18,9 +18,8 @@ from tests.engine.distributed.test_multipod import POD_IPS, group_spec, pod_comm
 
 pytestmark = [pytest.mark.slow]
 # NOTE: the pods bind fixed ports (8000, 29500, as the operator renders them), as the dev
-# cluster's local pods do: under `pytest -n` these modules run on the k8s tests' worker, never
-# beside them (tests/conftest.py).
-XDIST_GROUP = "k8s"
+# cluster's local pods do: under `pytest -n` this module runs on the k8s tests' worker, never
+# beside them (`SHARED_PORT_MODULES` in tests/conftest.py).
 
 DIAG = [sys.executable, "-m", "fleetserve", "diag", "comm", "--json"]
 

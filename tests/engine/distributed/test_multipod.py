@@ -35,9 +35,8 @@ from fleetserve.operator.render import ENGINE_PORT
 
 pytestmark = [pytest.mark.slow]
 # NOTE: the pods bind fixed ports (8000, 29500, as the operator renders them), as the dev
-# cluster's local pods do: under `pytest -n` these modules run on the k8s tests' worker, never
-# beside them (tests/conftest.py).
-XDIST_GROUP = "k8s"
+# cluster's local pods do: under `pytest -n` this module runs on the k8s tests' worker, never
+# beside them (`SHARED_PORT_MODULES` in tests/conftest.py).
 
 OWNER = Owner(name="tiny", namespace="ns", uid="u-1")
 POD_IPS = ("127.0.86.1", "127.0.86.2")
