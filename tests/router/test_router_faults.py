@@ -47,10 +47,10 @@ def _serve(tmp_path: Path, name: str, model: str, role: str) -> Any:
                         model=model, max_model_len=MAX_MODEL_LEN)  # fmt: skip
 
 
-def _ask(router: RouterHandle, i: int) -> tuple[int, Any]:
+def _ask(router: RouterHandle, i: int, max_tokens: int = MAX_TOKENS) -> tuple[int, Any]:
     """Request `i` (prompt i % 3, streamed when i is odd): ('ok', tokens) or ('error', body)."""
     stream = i % 2 == 1
-    body = {"prompt": PROMPTS[i % 3], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+    body = {"prompt": PROMPTS[i % 3], "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream}  # fmt: skip
     response = requests.post(f"{router.base_url}/v1/completions", json=body, stream=stream,
                              timeout=60)  # fmt: skip
@@ -178,26 +178,16 @@ def test_stall_kill_prefill_then_kill_decode(tmp_path: Path) -> None:
         producer.close()
 
 
-def _long(router: RouterHandle) -> tuple[str, Any]:
-    """Prompt 0, LONG_TOKENS greedy tokens, not streamed: ('ok', tokens) or ('error', status)."""
-    body = {"prompt": PROMPTS[0], "max_tokens": LONG_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    response = requests.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
-    if response.status_code != 200:
-        return "error", response.status_code
-    return "ok", response.json()["choices"][0]["token_ids"]
-
-
 def _stall_while_running_on(
     router: RouterHandle, target: ServerHandle, pool: ThreadPoolExecutor
-) -> Future[tuple[str, Any]]:
+) -> Future[tuple[int, Any]]:
     """Send long requests one at a time until one runs on `target`, then SIGSTOP `target` with
     it inside (before its first byte: a non-streamed answer is sent whole). The request's
     future is returned; the others ran elsewhere to the end."""
     deadline = time.monotonic() + 30
     while True:
         assert time.monotonic() < deadline, "no long request ran on the target engine"
-        future = pool.submit(_long, router)
+        future = pool.submit(_ask, router, 0, LONG_TOKENS)  # prompt 0, not streamed
         while not future.done():
             if target.metrics()["vllm:num_requests_running"] >= 1:
                 _signal_all(target, signal.SIGSTOP)
@@ -267,7 +257,7 @@ def test_two_decode_engines_one_stalled_then_killed(tmp_path: Path) -> None:
         with ThreadPoolExecutor(1) as pool:
             caught = _stall_while_running_on(router, d1, pool)
             stopped = True
-            assert caught.result(timeout=60) == ("ok", expected_long)
+            assert caught.result(timeout=60) == (0, ("ok", expected_long))
         assert router.metric("fleetserve:router_retries_total", stage="decode") >= retries + 1
         _signal_all(d1, signal.SIGCONT)
         stopped = False
