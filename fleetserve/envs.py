@@ -71,6 +71,11 @@ class Env:
     """0: every float32 GEMM on the CPU goes to oneDNN; otherwise those of at most
     `SMALL_GEMM_MAX_ROWS` rows (decode steps) run the small-row kernel where the CPU has
     AVX-512 (`engine.layers.gemm`)."""
+    port_range: str | None = None
+    """`LOW-HIGH`: the ports fleetserve picks from when it chooses a free port itself (the local
+    fleet's engines, multi-process rendezvous, the dev cluster, the benchmarks; see
+    `common.ports`). Unset: the kernel's ephemeral ports, which any outgoing connection may take
+    between the choice and the bind; a range outside `net.ipv4.ip_local_port_range` avoids that."""
     allow_runtime_lora_updating: int | None = None
     """1: the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING); otherwise they answer 400 and only --lora-modules serve."""

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+from fleetserve.common.ports import parse_port_range
+from fleetserve.envs import env_name
+
 # The session-scoped `dev_cluster` fixture (real control plane; k8s-marked tests).
 # NOTE: a GPU machine used only for the kernel and engine checks (`gpu_check.sh`) may carry the
 # engine's dependencies alone; without the kubernetes client there is no dev-cluster to offer.
@@ -58,7 +61,34 @@ class _CISkipGuard:
             terminalreporter.write_line(f"  {nodeid}", red=True)
 
 
+SUITE_PORT_RANGE = "20000-28999"
+"""The ports the suite's processes choose free ones from (`FLEETSERVE_PORT_RANGE`, unless set
+already), split between the xdist workers. It lies below the kernel's ephemeral ports (32768 up
+here), so no outgoing connection takes a chosen port before its server binds it (CI failed so: an
+engine's port was taken in the seconds before it bound), and clear of the fixed ports the tests
+bind (8000-9443, 18481, 29499-29613)."""
+
+
+def worker_port_range(base: str, worker: str | None, workers: int) -> str:
+    """Worker `gwN`'s share of `base` (`LOW-HIGH`): the Nth of `workers` equal slices; all of it
+    without xdist (`worker` None), so two workers never choose the same port."""
+    low, high = parse_port_range(base)
+    if worker is None or workers < 2:
+        return base
+    index = int(worker.removeprefix("gw"))
+    size = (high - low + 1) // workers
+    if size < 1 or not 0 <= index < workers:
+        raise ValueError(f"{base} cannot be split into {workers} worker ranges (worker {worker})")
+    return f"{low + index * size}-{low + (index + 1) * size - 1}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    variable = env_name("port_range")
+    os.environ[variable] = worker_port_range(
+        os.environ.get(variable) or SUITE_PORT_RANGE,
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+    )
     if _in_ci():
         config.pluginmanager.register(_CISkipGuard(), "ci-skip-guard")
 

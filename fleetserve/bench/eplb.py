@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import queue
-import socket
 import statistics
 import time
 from datetime import timedelta
 from typing import Any
+
+from fleetserve.common.ports import free_port
 
 __all__ = ["add_arguments", "run_from_args"]
 
@@ -41,12 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=20, help="timed forwards per measurement")
     parser.add_argument("--device", default="cpu", choices=("cpu",))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _build(args: argparse.Namespace, rank: int, port: int) -> tuple[Any, Any, Any]:
@@ -212,7 +207,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit("--experts + --redundant must be even (EP = 2)")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(args, r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import time
 from typing import Any
+
+from fleetserve.common.ports import free_port
 
 __all__ = ["add_arguments", "run_from_args"]
 
@@ -29,12 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
@@ -121,7 +116,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         ep1_ms = _mean_ms(lambda: layer(x, logits), args.iters)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_ep_rank, args=(r, port, args, queue)) for r in range(2)]
     for proc in procs:
         proc.start()

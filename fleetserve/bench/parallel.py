@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.bench.decode import SHAPES, write_shape_folder
+from fleetserve.common.ports import free_port
 
 __all__ = ["add_arguments", "run_from_args"]
 
@@ -156,12 +156,6 @@ def pp_throughput_tokens_s(model_dir: Path, args: argparse.Namespace, num_batche
         core.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _allreduce_rank(rank: int, port: int, sizes: list[int], iters: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -201,7 +195,7 @@ def allreduce_us(sizes: list[int], iters: int) -> dict[int, tuple[float, float |
     shared-memory communicator (None when it is unavailable here), per size."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_allreduce_rank, args=(r, port, sizes, iters, queue)) for r in range(2)
     ]

@@ -22,7 +22,6 @@ import contextlib
 import http.client
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fleetserve.common.ports import free_port
 
 __all__ = ["add_arguments", "run_from_args"]
 
@@ -70,16 +71,10 @@ class Server:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def _serve(args: argparse.Namespace, log_dir: Path, name: str, *extra: str) -> Iterator[Server]:
     """One `fleetserve serve` process, until /health answers; stopped on exit."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "fleetserve", "serve", args.model, "--port", str(port),
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), *extra]  # fmt: skip
     log = (log_dir / f"{name}.log").open("wb")

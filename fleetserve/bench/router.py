@@ -33,7 +33,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from fleetserve.common.ports import free_port, free_ports
 
 __all__ = ["Measurement", "Target", "add_arguments", "format_table", "run_from_args"]
 
@@ -80,12 +81,6 @@ class Measurement:
     failed: int = 0
     backend_calls: dict[str, Any] = field(default_factory=dict)
     """Backend name → what it saw during this column (served kinds, unknown paths)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _percentile(values: Sequence[float], pct: float) -> float:
@@ -353,7 +348,7 @@ def _targets(args: argparse.Namespace, backends: dict[str, str]) -> list[Target]
         targets = [Target("direct", backends["engine"])]
         fleet_engines = ["--engine", backends["engine"], "--disaggregation", "never"]
         peer_engines = ["--worker-urls", backends["engine"]]
-    port = _free_port()
+    port = free_port()
     fleet = [sys.executable, "-m", "fleetserve", "--log-level", "WARNING", "router",
              "--discovery", "static", *fleet_engines, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     if args.config == "plain":
@@ -367,7 +362,7 @@ def _targets(args: argparse.Namespace, backends: dict[str, str]) -> list[Target]
                 " /work/peers/vllm-router-venv && /work/peers/vllm-router-venv/bin/pip install"
                 " vllm-router), pass --vllm-router PATH, or --vllm-router none"
             )
-        port = _free_port()
+        port = free_port()
         policy = "cache_aware" if args.config == "default" else "round_robin"
         peer = [vllm_router, "--host", "127.0.0.1", "--port", str(port), *peer_engines,
                 "--policy", policy, "--log-level", "warning"]  # fmt: skip
@@ -379,7 +374,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.latency_requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise ValueError("--latency-requests and --concurrency must be >= 1, --duration > 0")
     names = ["prefill", "decode"] if args.mode == "pd" else ["engine"]
-    urls = {name: f"http://127.0.0.1:{_free_port()}" for name in names}
+    ports = free_ports(len(names))
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in zip(names, ports, strict=True)}
     targets = _targets(args, urls)
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         logs = Path(tmp)

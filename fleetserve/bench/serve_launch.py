@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetserve.common.ports import free_port
 from fleetserve.envs import read_env
 
 _READY_TIMEOUT_S = 600.0
@@ -39,12 +39,6 @@ class Row:
     median_itl_ms: float
     roofline_fraction: float | None = None
     """The roofline's time for this run's requests over the time they took (None: not measured)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def server_command(engine: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
@@ -118,7 +112,7 @@ def run_launched(args: argparse.Namespace, log_dir: Path) -> list[Row]:
     ]
     rows: list[Row] = []
     for engine in args.launch.split(","):
-        port = _free_port()
+        port = free_port()
         log = log_dir / f"{engine}.log"
         with open(log, "wb") as sink:
             proc = subprocess.Popen(

@@ -1,2 +1,3 @@
-"""Torch-free pieces shared by the engine, the router and the operator: block hashing and the
-metric names. Nothing here imports fleetserve's other packages or any GPU library."""
+"""Torch-free pieces shared by the engine, the router and the operator: block hashing, the metric
+names, CPU threading and free ports. Nothing here imports fleetserve's other packages (except the
+`fleetserve.envs` leaf) or any GPU library."""

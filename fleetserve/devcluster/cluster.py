@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import fleetserve
+from fleetserve.common.ports import free_ports
 from fleetserve.devcluster import kube
 from fleetserve.devcluster.binaries import Binaries, find_binaries
 from fleetserve.devcluster.kueue import start_kueue
@@ -31,7 +32,6 @@ from fleetserve.devcluster.nodes import NodeTopology, build_fake_nodes
 from fleetserve.devcluster.pki import Pki, create_pki, write_kubeconfig
 from fleetserve.devcluster.pod_records import kill_recorded_pods
 from fleetserve.devcluster.processes import (
-    free_port,
     is_port_open,
     spawn,
     stop,
@@ -237,7 +237,7 @@ def up(cfg: ClusterConfig, *, log: bool = True) -> ClusterState:
         if log:
             print(f"[dev-cluster {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    ports = {name: free_port() for name in ("etcd", "etcd-peer", "apiserver", "kwok")}
+    ports = dict(zip(("etcd", "etcd-peer", "apiserver", "kwok"), free_ports(4), strict=True))
     state = ClusterState(
         dir=d,
         server=f"https://127.0.0.1:{ports['apiserver']}",

@@ -26,6 +26,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from fleetserve.common.ports import free_ports
 from fleetserve.devcluster import kube
 from fleetserve.devcluster.binaries import Binaries
 from fleetserve.devcluster.kueue_manifests import (
@@ -43,7 +44,7 @@ from fleetserve.devcluster.kueue_manifests import (
     webhook_configurations,
 )
 from fleetserve.devcluster.pki import WebhookPki, create_webhook_pki
-from fleetserve.devcluster.processes import free_port, spawn, wait_for, wait_http_ok
+from fleetserve.devcluster.processes import spawn, wait_for, wait_http_ok
 from fleetserve.devcluster.state import ClusterState, save_state
 
 __all__ = ["KUEUE_PROCESS", "create_default_queues", "start_kueue"]
@@ -120,7 +121,7 @@ def start_kueue(
         dns_name=f"{WEBHOOK_SERVICE}.{KUEUE_NAMESPACE}.svc",
         days=_CERT_DAYS,
     )
-    ports = {"kueue-webhook": free_port(), "kueue-health": free_port()}
+    ports = dict(zip(("kueue-webhook", "kueue-health"), free_ports(2), strict=True))
     state = ClusterState(
         dir=state.dir,
         server=state.server,

@@ -25,7 +25,6 @@ from typing import Any
 
 __all__ = [
     "ProcessRecord",
-    "free_port",
     "is_port_open",
     "process_start_time",
     "spawn",
@@ -75,13 +74,6 @@ def process_start_time(pid: int) -> int | None:
     if fields[0] == "Z":
         return None
     return int(fields[19])
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def is_port_open(port: int, host: str = "127.0.0.1") -> bool:

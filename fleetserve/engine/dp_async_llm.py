@@ -27,7 +27,6 @@ import asyncio
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from fleetserve.common.ports import free_ports
 from fleetserve.engine.async_llm import AsyncLLM, slow_reader_counter
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.messages import DPWaveMessage
@@ -61,12 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["DPAsyncLLM", "DPStatsLogger"]
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -127,8 +121,9 @@ class DPAsyncLLM:
         slow_readers = slow_reader_counter(registry, per_engine=True)
         init_method = wave_address = None
         if self.lockstep:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            wave_address = f"tcp://127.0.0.1:{_free_port()}"
+            init_port, wave_port = free_ports(2)
+            init_method = f"tcp://127.0.0.1:{init_port}"
+            wave_address = f"tcp://127.0.0.1:{wave_port}"
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.ranks: list[AsyncLLM] = []
         for rank in range(size):

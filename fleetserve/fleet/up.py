@@ -12,8 +12,9 @@ and when any one dies the others are stopped and the command exits 1 (`Superviso
 `--ask QUESTION` sends one chat completion through the router once it is up and prints the
 answer and a `curl` line to try more (`make run`); `--once` exits after the answer.
 
-Only the standard library and `fleetserve.fleet.supervisor` are imported: the supervising process
-never loads torch (the bundled model's folder is resolved by a short child process).
+Only the standard library, `fleetserve.fleet.supervisor` and `fleetserve.common.ports` are
+imported: the supervising process never loads torch (the bundled model's folder is resolved by a
+short child process).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetserve.common.ports import free_port
 from fleetserve.fleet.supervisor import Child, Supervisor, describe_exit
 
 __all__ = [
@@ -131,12 +133,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_from_args)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _check_free(host: str, port: int, what: str) -> None:
     flag = "--port" if what == "router" else f"--{what}-port"
     with socket.socket() as sock:
@@ -154,7 +150,7 @@ def _check_free(host: str, port: int, what: str) -> None:
 def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
     """(router, prefill, decode) ports; 0 picks a free one; each checked free now."""
     host = args.host
-    router = args.port or _free_port(host)
+    router = args.port or free_port(host)
     ports = {"router": router}
     for role, given, offset in (
         ("prefill", args.prefill_port, PREFILL_PORT_OFFSET),
@@ -166,7 +162,7 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
             given = router + offset if args.port else 0
         port = given
         if port == 0:
-            port = _free_port("127.0.0.1")
+            port = free_port("127.0.0.1")
         if port > 65535:
             raise ValueError(
                 f"--port {router} + {offset} is no port for the {role} engine; pass --{role}-port"

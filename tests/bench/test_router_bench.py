@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from fleetserve.bench.router import Measurement, format_table
+from fleetserve.common.ports import free_port
 from tests.fleet.children import ROOT
-from tests.server.server_process import free_port
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+from fleetserve.common.ports import free_port
 from fleetserve.devcluster.pod_launch import ContainerLaunch, PodLaunch, build_launch
 from fleetserve.devcluster.pod_runtime import PodRuntime
 from fleetserve.devcluster.podspec import Probe
-from fleetserve.devcluster.processes import free_port
 
 
 def tick_until(runtime: PodRuntime, predicate, timeout_s: float = 10.0) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from fleetserve.common.ports import free_port
 from fleetserve.fleet.supervisor import MAX_LINE_BYTES, Child, StartupError, Supervisor
 from tests.fleet.children import (
     PY,
@@ -28,7 +29,6 @@ from tests.fleet.children import (
     wait_gone,
     with_grandchild,
 )
-from tests.server.server_process import free_port
 
 
 def _until(what: str, check: Callable[[], object], timeout_s: float = 20.0) -> object:

@@ -20,11 +20,11 @@ import pytest
 import requests
 
 from fleetserve.cli import build_parser, main
+from fleetserve.common.ports import free_ports
 from fleetserve.engine.config import KVTransferConfig
 from fleetserve.fleet.up import curl_line, plan_fleet
 from tests.fleet.children import ROOT, alive, wait_gone
 from tests.fleet.prometheus import router_decisions, scrape, total, went_prefill_then_decode
-from tests.server.server_process import free_port
 
 
 def _args(*argv: str):  # type: ignore[no-untyped-def]
@@ -131,8 +131,7 @@ def _streamed_text(response: requests.Response) -> str:
 def test_up_answers_chat_completions_through_the_router(tmp_path: Path) -> None:
     """`fleetserve up` → a chat completion through the router on 127.0.0.1: real text, the
     colocated answer, prefill → decode visible in the metrics; Ctrl-C stops every process."""
-    port = free_port()
-    prefill_port, decode_port = free_port(), free_port()
+    port, prefill_port, decode_port = free_ports(3)
     log_path = tmp_path / "up.log"
     log = log_path.open("w")
     proc = subprocess.Popen(

@@ -14,7 +14,8 @@ from typing import Any
 
 import requests
 
-from tests.server.server_process import API_KEY, REPO_ROOT, free_port, stop, wait_healthy
+from fleetserve.common.ports import free_port
+from tests.server.server_process import API_KEY, REPO_ROOT, stop, wait_healthy
 
 
 @dataclass

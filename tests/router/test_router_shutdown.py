@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 
 from fleetserve.api.router_config import RouterConfig
+from fleetserve.common.ports import free_port
 from fleetserve.router.app import create_app
 from fleetserve.router.serve import serve
 from tests.router.fake_upstream import FakeEngine
 from tests.router.test_resilience import FAST
-from tests.server.server_process import free_port
 
 STREAM = {"model": "m", "prompt": "hello", "stream": True}
 

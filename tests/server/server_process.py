@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from fleetserve.common.ports import free_port
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -86,12 +87,6 @@ def stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(

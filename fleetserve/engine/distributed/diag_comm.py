@@ -35,6 +35,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from fleetserve.common.ports import free_port
+
 if TYPE_CHECKING:
     from fleetserve.envs import Env
 
@@ -331,16 +333,12 @@ def group_ranks(env: Env, world_size: int) -> tuple[list[int], str]:
     Raises:
         ValueError: an inconsistent group env (`pod_group`).
     """
-    import socket
-
     from fleetserve.engine.distributed.pod_group import DIAG_PORT, pod_group
 
     group = pod_group(env, world_size)
     if group is not None:
         return list(group.local_ranks), f"tcp://{group.leader_address}:{DIAG_PORT}"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return list(range(world_size)), f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    return list(range(world_size)), f"tcp://127.0.0.1:{free_port()}"
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any
 
 import zmq
 
+from fleetserve.common.ports import free_port
 from fleetserve.engine.config import EngineConfig
 from fleetserve.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.engine.distributed.parallel_state import layout_of
@@ -74,12 +74,6 @@ SEND_HWM = 16
 
 class WorkerError(RuntimeError):
     """A worker's call raised; the message is the worker's error text."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def worker_argv(
@@ -161,7 +155,7 @@ class MultiprocExecutor(Executor):
         config_path = f"{self._dir}/config.pkl"
         with open(config_path, "wb") as f:
             pickle.dump(config, f, protocol=5)
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if group is None else group.init_method
+        init_method = f"tcp://127.0.0.1:{free_port()}" if group is None else group.init_method
         self._procs = {
             rank: subprocess.Popen(self._worker_argv(rank, config_path, init_method))
             for rank in local

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
+from fleetserve.common.ports import free_port
 from fleetserve.engine.distributed.pod_group import PodGroup
 from fleetserve.engine.distributed.remote_ranks import RemoteRanks, heartbeats
 
@@ -25,9 +25,7 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 def _bound(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
     sock = ctx.socket(zmq.PUSH)
     heartbeats(sock)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     sock.bind(f"tcp://127.0.0.1:{port}")
     return sock, f"tcp://127.0.0.1:{port}"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 import fleetserve.api.topology as topology
 from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.common.ports import free_port
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.config import ParallelConfig
 from fleetserve.engine.distributed import parallel_state
@@ -71,12 +71,6 @@ def test_operator_sample_and_engine_groups_come_from_one_function() -> None:
     assert engine.pipeline == [[t, t + 8] for t in range(8)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rank_main(rank: int, port: int, queue: Any) -> None:
     parallel = ParallelConfig(
         tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp"
@@ -109,7 +103,7 @@ def _rank_main(rank: int, port: int, queue: Any) -> None:
 def test_gloo_groups_in_four_processes_follow_the_layout() -> None:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(4)]
     for proc in procs:
         proc.start()

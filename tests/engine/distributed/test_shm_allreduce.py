@@ -5,22 +5,16 @@ threshold, and off when disabled."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from fleetserve.common.ports import free_ports
 from fleetserve.engine.config import ParallelConfig
 from fleetserve.engine.distributed.parallel_state import ParallelState
 from fleetserve.engine.distributed.shm_allreduce import DEFAULT_MAX_BYTES
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(rank: int, ports: tuple[int, int], queue: Any) -> None:
@@ -66,7 +60,7 @@ def _rank_main(rank: int, ports: tuple[int, int], queue: Any) -> None:
 def test_shm_allreduce_equals_gloo_and_declines_large_tensors() -> None:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    ports = (_free_port(), _free_port())
+    ports = tuple(free_ports(2))
     procs = [ctx.Process(target=_rank_main, args=(r, ports, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
