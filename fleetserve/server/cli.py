@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,19 +87,51 @@ def run_from_args(args: argparse.Namespace) -> int:
     if follower is not None:
         return follower
     config = build_server_config(args)
+    sock = claim_port(args.host, args.port)
+    port = sock.getsockname()[1]
     logger.info("serving %s as %r on http://%s:%d", config.engine.model.model,
-                config.served_model_name, args.host, args.port)  # fmt: skip
+                config.served_model_name, args.host, port)  # fmt: skip
     # NOTE: handler_cancellation makes a client disconnect cancel its handler, which aborts the
     # request in the engine even while it waits for its first token.
     web.run_app(
         create_app(config),
-        host=args.host,
-        port=args.port,
+        sock=sock,
         handler_cancellation=True,
         access_log=None,
         print=None,
     )
     return 0
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now; it listens once the app serves (asyncio listens on a
+    socket it is given), after the engine started.
+
+    So the port is the server's from start-up on: nothing else takes it while the model loads
+    (a port chosen free moment earlier could be, by any outgoing connection), a port in use fails
+    at once rather than after the load, and until the engine is up connections are refused, as
+    they were when the server bound late, rather than left waiting in the backlog.
+
+    Raises:
+        ValueError: `host`:`port` cannot be bound (the message names --host/--port and why).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    # As aiohttp binds: a port whose last connections are in TIME_WAIT is free to serve on.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"--host/--port {host}:{port} cannot be bound ({exc.strerror}); pick another --port"
+        ) from exc
+    return sock
 
 
 COMM_CHECK_TIMEOUT_S = 60.0

@@ -1,12 +1,21 @@
-"""`fleetserve serve` flags → ServerConfig (no engine is started)."""
+"""`fleetserve serve` flags → ServerConfig (no engine is started), and the server's port: claimed
+at start-up, before the engine loads."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+from aiohttp import ClientSession, web
 
-from fleetserve.server.cli import build_server_config, register
+from fleetserve.common.ports import free_port
+from fleetserve.server.cli import build_server_config, claim_port, register
+from tests.server.server_process import REPO_ROOT
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -59,3 +68,60 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
     ):
         with pytest.raises(ValueError, match=rf"^{name}=.*not implement"):
             build_server_config(_parse(model, *flags))
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_port_is_claimed_at_once_and_served_once_the_app_runs() -> None:
+    sock = claim_port("127.0.0.1", free_port())
+    port = sock.getsockname()[1]
+    with socket.socket() as rival, pytest.raises(OSError):
+        rival.bind(("127.0.0.1", port))  # claimed: nothing else binds it while the engine loads
+    assert _refused(port)  # not listening yet: a client is refused, not left in the backlog
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def serve_and_ask() -> str:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()  # what web.run_app(sock=...) does
+        try:
+            async with (
+                ClientSession() as client,
+                client.get(f"http://127.0.0.1:{port}/health") as response,
+            ):
+                return await response.text()
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(serve_and_ask()) == "ok"
+
+
+def test_a_port_in_use_fails_before_the_engine_starts() -> None:
+    from fleetserve.engine.models.bundled import bundled_model_path
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "fleetserve.server", str(bundled_model_path()), "--port",
+             str(port), "--dtype", "float32"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"error: --host/--port 127.0.0.1:{port} cannot be bound (Address already in use)" in (
+        done.stderr
+    )
+    assert "engine core" not in done.stderr, "the engine started before the port was claimed"
+    assert time.monotonic() - started < 60
+
+
+def test_a_host_that_does_not_resolve_is_named() -> None:
+    with pytest.raises(ValueError, match=r"--host 'no-such-host\.invalid' does not resolve"):
+        claim_port("no-such-host.invalid", 0)
