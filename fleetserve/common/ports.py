@@ -62,7 +62,7 @@ def free_ports(
         configured = read_env().port_range
         port_range = None if configured is None else parse_port_range(configured)
     if port_range is None:
-        candidates = [0] * count  # the kernel's choice; it never fails for want of ports
+        candidates = [0] * count  # the kernel chooses
     else:
         low, high = port_range
         size = high - low + 1
