@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,19 @@ SA_NAME = "fleetserve-operator"
 SA_NAMESPACE = "fleetserve-system"
 SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+GET_RETRIES = 5
+TRANSIENT_KUBECTL_ERRORS = (
+    "Unable to connect to the server",
+    "TLS handshake timeout",
+    "connection refused",
+    "i/o timeout",
+    "the server is currently unable to handle the request",
+    "the server was unable to return a response in the time allotted",
+    "etcdserver: request timed out",
+    "Client.Timeout exceeded",
+)
+"""kubectl's messages when the API server did not answer (under a loaded machine's control
+plane), as opposed to an answer such as NotFound."""
 
 
 @dataclass
@@ -47,13 +61,23 @@ class OperatorEnv:
         return out
 
     def get(self, kind: str, ns: str, name: str | None = None, selector: str | None = None) -> Any:
+        """The object (or list) as JSON; None when kubectl fails for another reason than an
+        unreachable or overloaded API server, which is retried (GET changes nothing) for up to
+        `GET_RETRIES` tries and then fails the test with kubectl's message, so that a busy
+        machine's slow control plane never reads as "not found"."""
         args = ["get", kind, "-n", ns, "-o", "json"]
         if name:
             args.insert(2, name)
         if selector:
             args += ["-l", selector]
-        out = self.kubectl(*args, check=False)
-        return json.loads(out.stdout) if out.returncode == 0 else None
+        for _ in range(GET_RETRIES):
+            out = self.kubectl(*args, check=False)
+            if out.returncode == 0:
+                return json.loads(out.stdout)
+            if not any(sign in out.stderr for sign in TRANSIENT_KUBECTL_ERRORS):
+                return None
+            time.sleep(1.0)
+        pytest.fail(f"kubectl {' '.join(args)} failed {GET_RETRIES} times: {out.stderr}")
 
     def apply(self, ns: str, doc: dict[str, Any]) -> None:
         self.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(doc))

@@ -13,7 +13,7 @@ import json
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -272,9 +272,15 @@ def test_killing_one_pod_recreates_the_whole_group(operator_env: OperatorEnv) ->
         env.delete_namespace(ns)
 
 
+def _pod(env: OperatorEnv, ns: str, name: str) -> dict[str, Any]:
+    pod = env.get("pod", ns, name)
+    assert pod is not None, f"pod {ns}/{name} not found"
+    return cast(dict[str, Any], pod)
+
+
 def _report_container_restart(env: OperatorEnv, ns: str, pod_name: str, ran_s: int) -> None:
     """Write what the kubelet writes when the engine container died after `ran_s` seconds."""
-    pod = env.get("pod", ns, pod_name)
+    pod = _pod(env, ns, pod_name)
     created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
     stamp = (created + timedelta(seconds=ran_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
     statuses = pod["status"]["containerStatuses"]
@@ -298,12 +304,12 @@ def test_a_container_restart_recreates_the_whole_group(operator_env: OperatorEnv
     try:
         env.apply(ns, doc)
         poll("Ready", lambda: _ready(env, ns, name), timeout_s=60)
-        uids = {p: env.get("pod", ns, p)["metadata"]["uid"] for p in (f"{name}-decode-0-0",
-                                                                     f"{name}-decode-0-1")}  # fmt: skip
+        uids = {p: _pod(env, ns, p)["metadata"]["uid"] for p in (f"{name}-decode-0-0",
+                                                                f"{name}-decode-0-1")}  # fmt: skip
         # A crash right at start-up is left to the kubelet's back-off: nothing is recreated.
         _report_container_restart(env, ns, f"{name}-decode-0-1", ran_s=5)
         time.sleep(3)
-        assert all(env.get("pod", ns, p)["metadata"]["uid"] == uid for p, uid in uids.items())
+        assert all(_pod(env, ns, p)["metadata"]["uid"] == uid for p, uid in uids.items())
         # A crash after the group ran a while restarts every rank, the leader included.
         _report_container_restart(env, ns, f"{name}-decode-0-1", ran_s=120)
 
@@ -313,7 +319,7 @@ def test_a_container_restart_recreates_the_whole_group(operator_env: OperatorEnv
 
         poll("the whole group recreated", all_replaced, timeout_s=60)
         poll("Ready again", lambda: _ready(env, ns, name), timeout_s=60)
-        restarted = env.get("pod", ns, f"{name}-decode-0-1")
+        restarted = _pod(env, ns, f"{name}-decode-0-1")
         assert [s["restartCount"] for s in restarted["status"]["containerStatuses"]] == [0]
     finally:
         env.delete_namespace(ns)
