@@ -360,9 +360,10 @@ def restart_group_after_container_restart(kube: Kube, pod: dict[str, Any]) -> li
 
     Returns:
         Names of the pods deleted: none for a single-pod group (its container restart already
-        restarts the whole group), for a pod already being deleted, or for a container that
-        died within `MIN_RUN_BEFORE_GROUP_RESTART_S` of its pod's creation (crash-looping at
-        start-up, left to the kubelet's back-off).
+        restarts the whole group), for a pod already being deleted, for a pod that is no longer
+        one of its group's live pods, or for a container that died within
+        `MIN_RUN_BEFORE_GROUP_RESTART_S` of its pod's creation (crash-looping at start-up, left
+        to the kubelet's back-off).
     """
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
@@ -383,7 +384,10 @@ def restart_group_after_container_restart(kube: Kube, pod: dict[str, Any]) -> li
         for p in kube.list("Pod", meta["namespace"], _group_selector(labels))
         if not p["metadata"].get("deletionTimestamp")
     ]
-    if len(members) < 2:
+    # NOTE: `pod` may be an event's body that arrives late, when its group was already
+    # recreated: the restart was handled, and the members listed now are the replacements.
+    # Only a restart of a pod that is still a member (same uid) recreates the group.
+    if len(members) < 2 or all(m["metadata"].get("uid") != meta.get("uid") for m in members):
         return []
     for member in members:
         kube.delete("Pod", meta["namespace"], member["metadata"]["name"])
