@@ -14,6 +14,7 @@ import pytest
 from aiohttp import ClientSession, web
 
 from fleetserve.common.ports import free_port
+from fleetserve.devcluster.processes import is_port_open
 from fleetserve.server.cli import build_server_config, claim_port, register
 from tests.server.server_process import REPO_ROOT
 
@@ -70,17 +71,12 @@ def test_unimplemented_flags_are_refused_by_name() -> None:
             build_server_config(_parse(model, *flags))
 
 
-def _refused(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) != 0
-
-
 def test_the_port_is_claimed_at_once_and_served_once_the_app_runs() -> None:
     sock = claim_port("127.0.0.1", free_port())
     port = sock.getsockname()[1]
     with socket.socket() as rival, pytest.raises(OSError):
         rival.bind(("127.0.0.1", port))  # claimed: nothing else binds it while the engine loads
-    assert _refused(port)  # not listening yet: a client is refused, not left in the backlog
+    assert not is_port_open(port)  # not listening yet: a client is refused, not left in the backlog
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
