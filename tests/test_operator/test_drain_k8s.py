@@ -217,11 +217,9 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
 
         # Both groups of each role carry traffic, so removing one removes a busy engine.
         poll("every engine served", every_engine_served, timeout_s=240, interval_s=1)
-        served_before = load.ok
-        env.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", json.dumps(
-            {"spec": {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}}))  # fmt: skip
-        # The groups that drain (group 1 of each role) were busy when the drain began: what was
-        # in flight on them must finish there, not be cut.
+        # The groups that drain (group 1 of each role) must be busy when the drain begins: what
+        # is in flight on them must finish there, not be cut. So the scale-down is ordered only
+        # once a request is in flight on them (load alone may leave them idle for a moment).
         victims = {
             role: next(
                 f"http://{p['status']['podIP']}:8000"
@@ -230,15 +228,23 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
             )
             for role in ("prefill", "decode")
         }
-        in_flight_at_mark = sum(
-            total(scrape(url), metric)
-            for url in victims.values()
-            for metric in (
-                "vllm:num_requests_running",
-                "vllm:num_requests_waiting",
-                "fleetserve:kv_active_leases",
+
+        def in_flight_on_victims() -> float:
+            return sum(
+                total(scrape(url), metric)
+                for url in victims.values()
+                for metric in (
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                    "fleetserve:kv_active_leases",
+                )
             )
-        )
+
+        poll("a request in flight on the groups to drain", lambda: in_flight_on_victims() >= 1,
+             timeout_s=120, interval_s=0.1)  # fmt: skip
+        served_before = load.ok
+        env.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", json.dumps(
+            {"spec": {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}}))  # fmt: skip
         seen_draining: set[str] = set()
         seen_condition: list[str] = []
 
@@ -264,7 +270,6 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
         assert load.errors == [], load.errors[:5]
         assert load.ok > served_before, "no request completed during the scale-down"
         assert len(seen_draining) == 2, seen_draining
-        assert in_flight_at_mark >= 1, "nothing was in flight on the drained groups"
         st = status(env, ns, name)
         assert condition(st, "Draining")["status"] == "False"
         assert seen_condition, "the Draining condition never named the draining groups"
