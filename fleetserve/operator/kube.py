@@ -160,11 +160,29 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        """Delete an object (dependents in the background).
+
+        With `uid`, only that incarnation of `name`: the API server refuses (409 Conflict) to
+        delete an object recreated under the same name since it was read, as a StatefulSet
+        recreates its pods. The kubelet deletes its pods this way for the same reason.
+
+        Returns:
+            Whether an object was deleted: False when it is missing or, with `uid`, replaced.
+        """
         self.writes.append(f"DELETE {kind}/{name}")
-        self._call(
-            "DELETE",
-            resource_path(kind, namespace, name),
-            body={"propagationPolicy": "Background"},
-            content_type="application/json",
-        )
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        try:
+            out = self._call(
+                "DELETE",
+                resource_path(kind, namespace, name),
+                body=body,
+                content_type="application/json",
+            )
+        except ApiException as exc:
+            if uid is not None and exc.status == 409:
+                return False
+            raise
+        return out is not None

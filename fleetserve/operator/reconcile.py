@@ -363,7 +363,8 @@ def restart_group_after_container_restart(kube: Kube, pod: dict[str, Any]) -> li
         restarts the whole group), for a pod already being deleted, for a pod that is no longer
         one of its group's live pods, or for a container that died within
         `MIN_RUN_BEFORE_GROUP_RESTART_S` of its pod's creation (crash-looping at start-up, left
-        to the kubelet's back-off).
+        to the kubelet's back-off). Each member is deleted by uid, so one recreated under its
+        name since the list (by another handler's deletes) is left alone.
     """
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
@@ -389,9 +390,11 @@ def restart_group_after_container_restart(kube: Kube, pod: dict[str, Any]) -> li
     # Only a restart of a pod that is still a member (same uid) recreates the group.
     if len(members) < 2 or all(m["metadata"].get("uid") != meta.get("uid") for m in members):
         return []
-    for member in members:
-        kube.delete("Pod", meta["namespace"], member["metadata"]["name"])
-    return [m["metadata"]["name"] for m in members]
+    return [
+        m["metadata"]["name"]
+        for m in members
+        if kube.delete("Pod", meta["namespace"], m["metadata"]["name"], uid=m["metadata"]["uid"])
+    ]
 
 
 def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
@@ -399,7 +402,8 @@ def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
 
     Returns:
         Names of the pods deleted. Pods created after `pod` (replacements) are kept, so the
-        cascade of DELETED events this causes terminates.
+        cascade of DELETED events this causes terminates; each sibling is deleted by uid, so a
+        replacement created under its name after the list is kept too.
     """
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
@@ -411,7 +415,8 @@ def recreate_group(kube: Kube, pod: dict[str, Any]) -> list[str]:
         smeta = sibling["metadata"]
         if smeta["name"] == meta["name"] or smeta.get("deletionTimestamp"):
             continue
-        if smeta.get("creationTimestamp", "") <= born:
-            kube.delete("Pod", meta["namespace"], smeta["name"])
+        if smeta.get("creationTimestamp", "") <= born and kube.delete(
+            "Pod", meta["namespace"], smeta["name"], uid=smeta["uid"]
+        ):
             deleted.append(smeta["name"])
     return deleted

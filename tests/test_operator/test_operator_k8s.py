@@ -20,7 +20,9 @@ import yaml
 
 from fleetserve.api.compat import role_compatibility_hashes
 from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.devcluster import kube as devkube
 from fleetserve.operator.builders import ROUTER_POD_RULES, Owner, build_children
+from fleetserve.operator.kube import Kube
 from tests.devcluster.helpers import poll
 from tests.test_operator.helpers import SA_USER, OperatorEnv
 
@@ -321,6 +323,32 @@ def test_a_container_restart_recreates_the_whole_group(operator_env: OperatorEnv
         poll("Ready again", lambda: _ready(env, ns, name), timeout_s=60)
         restarted = _pod(env, ns, f"{name}-decode-0-1")
         assert [s["restartCount"] for s in restarted["status"]["containerStatuses"]] == [0]
+    finally:
+        env.delete_namespace(ns)
+
+
+def test_a_delete_by_uid_spares_another_incarnation(operator_env: OperatorEnv) -> None:
+    """The operator deletes a group's pods by uid: against the API server, a delete naming the
+    uid of an object since recreated under the same name leaves the new one alone."""
+    env = operator_env
+    ns = env.new_namespace("delete-by-uid")
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "twin", "namespace": ns},
+           "spec": {"ports": [{"port": 80}]}}  # fmt: skip
+    try:
+        with devkube.api_client(env.dc.kubeconfig) as api:
+            kube = Kube(api)
+            env.apply(ns, svc)
+            old_uid = env.get("service", ns, "twin")["metadata"]["uid"]
+            env.kubectl("delete", "service", "-n", ns, "twin")
+            env.apply(ns, svc)
+            new_uid = env.get("service", ns, "twin")["metadata"]["uid"]
+            assert new_uid != old_uid
+            assert kube.delete("Service", ns, "twin", uid=old_uid) is False
+            assert env.get("service", ns, "twin")["metadata"]["uid"] == new_uid
+            assert kube.delete("Service", ns, "twin", uid=new_uid) is True
+            poll("the service deleted", lambda: env.get("service", ns, "twin") is None,
+                 timeout_s=30)  # fmt: skip
+            assert kube.delete("Service", ns, "twin", uid=new_uid) is False
     finally:
         env.delete_namespace(ns)
 
