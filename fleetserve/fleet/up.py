@@ -29,11 +29,12 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.common.ports import free_port
+from fleetserve.common.ports import free_ports
 from fleetserve.fleet.supervisor import Child, Supervisor, describe_exit
 
 __all__ = [
@@ -133,25 +134,31 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_from_args)
 
 
-def _check_free(host: str, port: int, what: str) -> None:
+def _claim(host: str, port: int, what: str) -> socket.socket:
+    """A socket bound to `host`:`port` (the caller closes it), proof that the port is free.
+
+    Raises:
+        ValueError: it is not (the message names the flag that sets it).
+    """
     flag = "--port" if what == "router" else f"--{what}-port"
-    with socket.socket() as sock:
-        # The servers bind with SO_REUSEADDR too: a port left in TIME_WAIT is free for them.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ValueError(
-                f"the {what} port {host}:{port} is not free ({exc.strerror}); pick another"
-                f" with {flag} (or stop what listens there)"
-            ) from exc
+    sock = socket.socket()
+    # The servers bind with SO_REUSEADDR too: a port left in TIME_WAIT is free for them.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"the {what} port {host}:{port} is not free ({exc.strerror}); pick another"
+            f" with {flag} (or stop what listens there)"
+        ) from exc
+    return sock
 
 
 def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(router, prefill, decode) ports; 0 picks a free one; each checked free now."""
-    host = args.host
-    router = args.port or free_port(host)
-    ports = {"router": router}
+    """(router, prefill, decode) ports, each checked free now. Those left 0 are chosen together
+    on loopback (where the engines listen) while the others are held, so all three differ."""
+    ports = {"router": args.port}
     for role, given, offset in (
         ("prefill", args.prefill_port, PREFILL_PORT_OFFSET),
         ("decode", args.decode_port, DECODE_PORT_OFFSET),
@@ -159,20 +166,26 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
         if given is None:
             # NOTE: with --port 0 the router's port is any free one, and so are the engines':
             # a port derived from a random one may be another connection's ephemeral port.
-            given = router + offset if args.port else 0
-        port = given
-        if port == 0:
-            port = free_port("127.0.0.1")
-        if port > 65535:
+            given = args.port + offset if args.port else 0
+        if given > 65535:
             raise ValueError(
-                f"--port {router} + {offset} is no port for the {role} engine; pass --{role}-port"
+                f"--port {args.port} + {offset} is no port for the {role} engine; pass --{role}-port"
             )
-        ports[role] = port
-    if len(set(ports.values())) != 3:
+        ports[role] = given
+    chosen = [port for port in ports.values() if port]
+    if len(set(chosen)) != len(chosen):
         raise ValueError(f"the router, prefill and decode ports must differ, got {ports}")
-    for role, port in ports.items():
-        # The engines listen on loopback whatever --host the router binds.
-        _check_free(host if role == "router" else "127.0.0.1", port, role)
+    unset = [role for role, port in ports.items() if port == 0]
+    with ExitStack() as held:
+        for role, port in ports.items():
+            if port:
+                # The engines listen on loopback whatever --host the router binds.
+                host = args.host if role == "router" else "127.0.0.1"
+                held.enter_context(_claim(host, port, role))
+        if unset:
+            ports.update(zip(unset, free_ports(len(unset), "127.0.0.1"), strict=True))
+        if "router" in unset:
+            held.enter_context(_claim(args.host, ports["router"], "router"))
     return ports["router"], ports["prefill"], ports["decode"]
 
 

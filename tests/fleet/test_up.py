@@ -7,6 +7,7 @@ the router lands it fails, with `fleetserve up` saying that the router exited du
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import requests
 from fleetserve.cli import build_parser, main
 from fleetserve.common.ports import free_ports
 from fleetserve.engine.config import KVTransferConfig
-from fleetserve.fleet.up import curl_line, plan_fleet
+from fleetserve.fleet.up import _ports, curl_line, plan_fleet
 from tests.fleet.children import ROOT, alive, wait_gone
 from tests.fleet.prometheus import router_decisions, scrape, total, went_prefill_then_decode
 
@@ -88,6 +89,30 @@ def test_a_busy_port_is_refused_before_anything_starts(capsys: pytest.CaptureFix
         assert f"the decode port 127.0.0.1:{port} is not free" in err and "--decode-port" in err
         assert main(["up", "--port", str(port)]) == 2
         assert "with --port" in capsys.readouterr().err
+
+
+def _three_free_ports_in_a_row() -> int:
+    for low in range(20000, 29000, 3):
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(low, low + 3):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return low
+    raise AssertionError("no three free ports in a row in 20000-28999")
+
+
+def test_the_ports_left_to_choose_are_chosen_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --port 0, the router's and both engines' ports are chosen at once, so they differ:
+    from a range of exactly three ports, they are those three, every time."""
+    low = _three_free_ports_in_a_row()
+    monkeypatch.setenv("FLEETSERVE_PORT_RANGE", f"{low}-{low + 2}")
+    for _ in range(10):
+        ports = _ports(build_parser().parse_args(["up", "--port", "0"]))
+        assert sorted(ports) == [low, low + 1, low + 2]
+    given = _ports(build_parser().parse_args(["up", "--port", "0", "--decode-port", str(low)]))
+    assert given[2] == low and sorted(given[:2]) == [low + 1, low + 2]
 
 
 def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
