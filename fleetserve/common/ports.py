@@ -18,7 +18,7 @@ from contextlib import ExitStack
 
 from fleetserve.envs import env_name, read_env
 
-__all__ = ["free_port", "free_ports", "parse_port_range"]
+__all__ = ["bind_port", "free_port", "free_ports", "parse_port_range"]
 
 _VARIABLE = env_name("port_range")
 
@@ -91,3 +91,29 @@ def free_ports(
 def free_port(host: str = "127.0.0.1") -> int:
     """One port as `free_ports` chooses them."""
     return free_ports(1, host)[0]
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (any address family `host` resolves to), not yet
+    listening: the caller serves on it or closes it.
+
+    It binds with SO_REUSEADDR, as aiohttp does: a port whose last connections are in TIME_WAIT
+    is free to serve on. Until it listens, Linux lets another SO_REUSEADDR socket bind the same
+    port (whichever listens first serves; vLLM's early bind behaves the same); plain binds, and
+    the source ports of outgoing connections, cannot take it.
+
+    Raises:
+        socket.gaierror: `host` does not resolve.
+        OSError: the port cannot be bound (in use, or not an address of this machine).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

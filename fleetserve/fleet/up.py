@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.common.ports import free_ports
+from fleetserve.common.ports import bind_port, free_ports
 from fleetserve.fleet.supervisor import Child, Supervisor, describe_exit
 
 __all__ = [
@@ -141,18 +141,15 @@ def _claim(host: str, port: int, what: str) -> socket.socket:
         ValueError: it is not (the message names the flag that sets it).
     """
     flag = "--port" if what == "router" else f"--{what}-port"
-    sock = socket.socket()
-    # The servers bind with SO_REUSEADDR too: a port left in TIME_WAIT is free for them.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bind_port(host, port)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
     except OSError as exc:
-        sock.close()
         raise ValueError(
             f"the {what} port {host}:{port} is not free ({exc.strerror}); pick another"
             f" with {flag} (or stop what listens there)"
         ) from exc
-    return sock
 
 
 def _ports(args: argparse.Namespace) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleetserve.common.ports import bind_port
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.engine_client import DEFAULT_MAX_PENDING_OUTPUTS
 from fleetserve.envs import read_env
@@ -116,22 +117,13 @@ def claim_port(host: str, port: int) -> socket.socket:
         ValueError: `host`:`port` cannot be bound (the message names --host/--port and why).
     """
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        return bind_port(host, port)
     except socket.gaierror as exc:
         raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
-    sock = socket.socket(family, kind, proto)
-    # As aiohttp binds: a port whose last connections are in TIME_WAIT is free to serve on.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
     except OSError as exc:
-        sock.close()
         raise ValueError(
             f"--host/--port {host}:{port} cannot be bound ({exc.strerror}); pick another --port"
         ) from exc
-    return sock
 
 
 COMM_CHECK_TIMEOUT_S = 60.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.common.ports import free_port, free_ports, parse_port_range
+from fleetserve.common.ports import bind_port, free_port, free_ports, parse_port_range
 from tests.conftest import SUITE_PORT_RANGE, worker_port_range
 
 
@@ -76,3 +76,31 @@ def test_the_suite_chooses_below_the_ephemeral_ports_and_each_worker_its_own() -
     assert shares[-1][1] <= high
     with pytest.raises(ValueError, match="cannot be split"):
         worker_port_range("20000-20001", "gw0", 3)
+
+
+def test_bind_port_binds_without_listening_and_says_why_it_cannot() -> None:
+    port = free_port()
+    with bind_port("127.0.0.1", port) as sock:
+        assert sock.getsockname() == ("127.0.0.1", port)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        # A plain bind (as free_ports makes) or a connection's source port cannot take it.
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        sock.listen()
+        with pytest.raises(OSError) as listening:  # nor, once it listens, anything
+            bind_port("127.0.0.1", port)
+        assert listening.value.errno == errno.EADDRINUSE
+    with pytest.raises(socket.gaierror):
+        bind_port("no-such-host.invalid", 0)
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_bind_port_takes_the_family_its_host_resolves_to() -> None:
+    try:
+        sock = bind_port("::1", 0)
+    except OSError as exc:  # a kernel without IPv6 loopback
+        pytest.skip(f"::1 cannot be bound here: {exc}")
+    with sock:
+        assert sock.family == socket.AF_INET6
