@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
@@ -47,11 +48,45 @@ _BENCHES = (
 `add_arguments(parser)` and `run_from_args(args) -> int`."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("serve", "fleetserve.server.cli"),
+    ("dev-cluster", "fleetserve.devcluster.cli"),
+    ("crds", "fleetserve.api.cli"),
+    ("operator", "fleetserve.operator.cli"),
+    ("up", "fleetserve.fleet.up"),
+    ("router", "fleetserve.router.cli"),
+)
+"""Component subcommands: (name, module with `register(subparsers)`), in --help's order."""
+
+TORCH_FREE_COMMANDS = frozenset({"dev-cluster", "crds", "operator", "up", "router"})
+"""Subcommands whose processes never load torch: the operator's and the router's pods (the
+operator's manifest limits it to 512Mi; torch alone takes more), the local fleet's supervisor,
+the dev cluster and the CRD printer. For them `main` builds a parser with that subcommand only,
+since the full one imports the engine's flags, and with them torch."""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `fleetserve` parser: every subcommand, or with `only` (one of `TORCH_FREE_COMMANDS`)
+    that subcommand alone, which imports no module of the others.
+
+    Raises:
+        ValueError: `only` is not one of `TORCH_FREE_COMMANDS`.
+    """
+    if only is not None and only not in TORCH_FREE_COMMANDS:
+        raise ValueError(f"only must be one of {sorted(TORCH_FREE_COMMANDS)}, got {only!r}")
     parser = argparse.ArgumentParser(prog="fleetserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="Python logging level")
     sub = parser.add_subparsers(dest="command", required=True)
+    if only is None:
+        _add_engine_commands(sub)
+    for name, module in _COMPONENTS:
+        if only in (None, name):
+            importlib.import_module(module).register(sub)
+    return parser
 
+
+def _add_engine_commands(sub: Any) -> None:
+    """`models`, `chat`, `bench` and `diag`: the commands that run the engine or its kernels."""
     models = sub.add_parser("models", help="manage the bundled model")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     prepare = models_sub.add_parser("prepare", help="convert the bundled GGUF into an HF folder")
@@ -84,36 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     diag_comm.add_arguments(comm)
     comm.set_defaults(func=diag_comm.run_from_args)
 
-    from fleetserve.server.cli import register as register_serve
 
-    register_serve(sub)
-    from fleetserve.devcluster.cli import register as register_dev_cluster
-
-    register_dev_cluster(sub)
-    from fleetserve.api.cli import register as register_crds
-
-    register_crds(sub)
-    from fleetserve.operator.cli import register as register_operator
-
-    register_operator(sub)
-    from fleetserve.fleet.up import register as register_up
-
-    register_up(sub)
-    from fleetserve.router.cli import register as register_router
-
-    register_router(sub)
-    return parser
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names: its first word that is neither an option nor --log-level's
+    value (the full parser reports anything malformed)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["up"]:
-        # NOTE: the full parser imports the engine's flag definitions, and with them torch; the
-        # process that supervises the local fleet's engines must not load it.
-        from fleetserve.fleet.up import main as up_main
-
-        return up_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    command = _command(argv)
+    args = build_parser(command if command in TORCH_FREE_COMMANDS else None).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

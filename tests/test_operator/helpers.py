@@ -50,6 +50,8 @@ class OperatorEnv:
     log_dir: Path
     proc: subprocess.Popen[bytes] | None = None
     starts: int = field(default=0)
+    metrics_address: str = ""
+    """`fleetserve operator --metrics` (the autoscaler's /metrics; empty: not served)."""
 
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True
@@ -98,10 +100,12 @@ class OperatorEnv:
     def start(self) -> None:
         assert self.proc is None, "operator already running"
         env = {**os.environ, "KUBECONFIG": str(self.sa_kubeconfig)}
-        code = "from fleetserve.operator.cli import run; run(namespaces=[], peering=None, liveness=None)"
+        # As its pod runs it (manifests/operator/deployment.yaml), logging at INFO.
+        cmd = [sys.executable, "-m", "fleetserve", "operator", "--liveness", "",
+               "--metrics", self.metrics_address]  # fmt: skip
         self.starts += 1
         log = (self.log_dir / f"operator-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
 
     def stop(self, *, kill: bool = False) -> None:
         if self.proc is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -54,20 +53,6 @@ class MetricsOperator(OperatorEnv):
     """The operator subprocess with its metrics endpoint on `metrics_address`."""
 
     metrics_address: str = "127.0.0.1:18481"
-
-    def start(self) -> None:
-        import signal  # noqa: F401  (OperatorEnv.stop uses it)
-        import subprocess
-
-        assert self.proc is None, "operator already running"
-        env = {**os.environ, "KUBECONFIG": str(self.sa_kubeconfig)}
-        code = (
-            "from fleetserve.operator.cli import run; run(namespaces=[], peering=None,"
-            f" liveness=None, metrics={self.metrics_address!r})"
-        )
-        self.starts += 1
-        log = (self.log_dir / f"operator-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
 
 
 @pytest.fixture(scope="module")
