@@ -93,7 +93,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-def bind_port(host: str, port: int) -> socket.socket:
+def bind_port(host: str, port: int, *, what: str) -> socket.socket:
     """A TCP socket bound to `host`:`port` (any address family `host` resolves to), not yet
     listening: the caller serves on it or closes it.
 
@@ -103,17 +103,23 @@ def bind_port(host: str, port: int) -> socket.socket:
     the source ports of outgoing connections, cannot take it.
 
     Raises:
-        socket.gaierror: `host` does not resolve.
-        OSError: the port cannot be bound (in use, or not an address of this machine).
+        ValueError: `host` does not resolve, or the port cannot be bound (in use, or not an
+            address of this machine); the message names `what` (the flags that set it) and why.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise ValueError(
+            f"{what} {host}:{port} cannot be bound ({exc.strerror}); pick another, or stop what"
+            " listens there"
+        ) from exc
     return sock

@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import shlex
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -134,22 +133,9 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_from_args)
 
 
-def _claim(host: str, port: int, what: str) -> socket.socket:
-    """A socket bound to `host`:`port` (the caller closes it), proof that the port is free.
-
-    Raises:
-        ValueError: it is not (the message names the flag that sets it).
-    """
-    flag = "--port" if what == "router" else f"--{what}-port"
-    try:
-        return bind_port(host, port)
-    except socket.gaierror as exc:
-        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
-    except OSError as exc:
-        raise ValueError(
-            f"the {what} port {host}:{port} is not free ({exc.strerror}); pick another"
-            f" with {flag} (or stop what listens there)"
-        ) from exc
+def _what(role: str) -> str:
+    """How an error names `role`'s port: the role and the flag that sets it."""
+    return f"the {role} port ({'--port' if role == 'router' else f'--{role}-port'})"
 
 
 def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -178,11 +164,11 @@ def _ports(args: argparse.Namespace) -> tuple[int, int, int]:
             if port:
                 # The engines listen on loopback whatever --host the router binds.
                 host = args.host if role == "router" else "127.0.0.1"
-                held.enter_context(_claim(host, port, role))
+                held.enter_context(bind_port(host, port, what=_what(role)))
         if unset:
             ports.update(zip(unset, free_ports(len(unset), "127.0.0.1"), strict=True))
         if "router" in unset:
-            held.enter_context(_claim(args.host, ports["router"], "router"))
+            held.enter_context(bind_port(args.host, ports["router"], what=_what("router")))
     return ports["router"], ports["prefill"], ports["decode"]
 
 

@@ -116,14 +116,7 @@ def claim_port(host: str, port: int) -> socket.socket:
     Raises:
         ValueError: `host`:`port` cannot be bound (the message names --host/--port and why).
     """
-    try:
-        return bind_port(host, port)
-    except socket.gaierror as exc:
-        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from exc
-    except OSError as exc:
-        raise ValueError(
-            f"--host/--port {host}:{port} cannot be bound ({exc.strerror}); pick another --port"
-        ) from exc
+    return bind_port(host, port, what="--host/--port")
 
 
 COMM_CHECK_TIMEOUT_S = 60.0

@@ -86,9 +86,9 @@ def test_a_busy_port_is_refused_before_anything_starts(capsys: pytest.CaptureFix
         port = busy.getsockname()[1]
         assert main(["up", "--port", "0", "--decode-port", str(port)]) == 2
         err = capsys.readouterr().err
-        assert f"the decode port 127.0.0.1:{port} is not free" in err and "--decode-port" in err
+        assert f"the decode port (--decode-port) 127.0.0.1:{port} cannot be bound" in err
         assert main(["up", "--port", str(port)]) == 2
-        assert "with --port" in capsys.readouterr().err
+        assert "the router port (--port) 127.0.0.1:" in capsys.readouterr().err
 
 
 def _three_free_ports_in_a_row() -> int:
