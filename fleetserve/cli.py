@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from fleetserve.common.logs import configure_logging
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
@@ -136,10 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
     args = build_parser(command if command in TORCH_FREE_COMMANDS else None).parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        configure_logging(args.log_level)
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

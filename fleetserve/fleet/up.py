@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shlex
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetserve.common.logs import configure_logging
 from fleetserve.common.ports import bind_port, free_ports
 from fleetserve.fleet.supervisor import Child, Supervisor, describe_exit
 
@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleetserve up", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("INFO")
     try:
         return run_from_args(args)
     except ValueError as exc:

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["log_like_kopf_run", "register", "run"]
+
+
+def log_like_kopf_run() -> None:
+    """Log as `kopf run` does: kopf's format, each line about an object led by its
+    `[namespace/name]` (without it, "Handler 'on_pod_event' succeeded." names no pod). The level
+    the CLI set (--log-level) stays."""
+    import kopf
+
+    root = logging.getLogger()
+    level = root.level
+    root.handlers.clear()  # the CLI's handler would print every line a second time
+    kopf.configure(log_format=kopf.LogFormat.FULL, log_prefix=True)
+    root.setLevel(level)
 
 
 def run(
@@ -35,6 +49,7 @@ def run(
 
 
 def _run(args: argparse.Namespace) -> int:
+    log_like_kopf_run()
     run(
         namespaces=args.namespace,
         peering=args.peering,

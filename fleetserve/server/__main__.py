@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from fleetserve.common.logs import configure_logging
 from fleetserve.server.cli import add_arguments, run_from_args
 
 
@@ -14,10 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", help="Python logging level")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        configure_logging(args.log_level)
         return run_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

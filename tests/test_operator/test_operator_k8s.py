@@ -128,6 +128,8 @@ def test_sample_renders_children_and_becomes_ready(operator_env: OperatorEnv, sa
         t_children = time.monotonic() - t0
         poll("Ready=True", lambda: _ready(env, ns, name), timeout_s=60)
         print(f"{sample}: children in {t_children:.2f}s, Ready in {time.monotonic() - t0:.2f}s")
+        # The operator's log (its CLI, as in its pod) names the object each handler line is about.
+        assert f"[{ns}/{name}] Handler 'on_inferencedeployment_event' succeeded" in env.log_text()
         st = _status(env, ns, name)
         hashes = role_compatibility_hashes(spec)
         for role_name, role in spec.roles.items():
