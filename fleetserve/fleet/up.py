@@ -26,13 +26,11 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.common.logs import configure_logging
 from fleetserve.common.ports import bind_port, free_ports
 from fleetserve.fleet.supervisor import Child, Supervisor, describe_exit
 
@@ -327,19 +325,3 @@ def run_from_args(args: argparse.Namespace) -> int:
             sup.say("serving until Ctrl-C")
 
     return supervisor.run(on_ready)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fleetserve up", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    configure_logging("INFO")
-    try:
-        return run_from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

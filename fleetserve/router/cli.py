@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 from fleetserve.api.router_config import RouterConfig
-from fleetserve.common.logs import configure_logging
 
 __all__ = ["register"]
 
@@ -23,7 +22,6 @@ def _run(args: argparse.Namespace) -> int:
     from fleetserve.router.app import create_app
     from fleetserve.router.serve import serve_until_signalled
 
-    configure_logging(logging.INFO)
     app = create_app(config)
     logger.info("router listening on %s:%d (%s discovery, disaggregation %s)",
                 config.host, config.port, config.discovery, config.mode)  # fmt: skip
