@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from fleetserve.cli import build_parser, main
-from fleetserve.common.ports import free_ports
+from fleetserve.common.ports import free_ports, parse_port_range
 from fleetserve.engine.config import KVTransferConfig
 from fleetserve.fleet.up import _ports, curl_line, plan_fleet
 from tests.fleet.children import ROOT, alive, wait_gone
@@ -92,7 +92,11 @@ def test_a_busy_port_is_refused_before_anything_starts(capsys: pytest.CaptureFix
 
 
 def _three_free_ports_in_a_row() -> int:
-    for low in range(20000, 29000, 3):
+    """The first of three free ports in a row in this worker's share of the suite's range (the
+    conftest sets FLEETSERVE_PORT_RANGE to it), which no other worker chooses from."""
+    share = os.environ["FLEETSERVE_PORT_RANGE"]
+    first, last = parse_port_range(share)
+    for low in range(first, last - 1, 3):
         with contextlib.ExitStack() as held:
             try:
                 for port in range(low, low + 3):
@@ -100,7 +104,7 @@ def _three_free_ports_in_a_row() -> int:
             except OSError:
                 continue
         return low
-    raise AssertionError("no three free ports in a row in 20000-28999")
+    raise AssertionError(f"no three free ports in a row in {share}")
 
 
 def test_the_ports_left_to_choose_are_chosen_together(monkeypatch: pytest.MonkeyPatch) -> None:
