@@ -7,9 +7,18 @@ them; `InferenceDeploymentSpec.model_validator` repeats them for Python callers.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from fleetserve.api.topology import group_size, world_size
@@ -51,6 +60,31 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
+
+
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+QUANTITY_PATTERN = rf"^{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_DECIMAL}))?$"
+"""A non-negative Kubernetes resource quantity ("4", "500m", "2Gi", "1e3"): the API server's own
+pattern for quantities without their sign, so that a typo is refused when the resource is
+applied instead of when the operator's pods are created."""
+
+
+def _check_quantity(value: str) -> str:
+    if re.fullmatch(QUANTITY_PATTERN, value) is None:
+        raise ValueError(
+            "must be a Kubernetes quantity without a sign, such as '4', '500m' or '2Gi',"
+            f" got {value!r}"
+        )
+    return value
+
+
+Quantity = Annotated[
+    str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema({"type": "string", "pattern": QUANTITY_PATTERN}),
+]
+"""A resource quantity field: the pattern in the CRD (the API server refuses a mismatch with the
+pattern in its message), the same check in Python with the allowed forms in words."""
 
 
 def _cel(rule: str, message: str) -> dict[str, Any]:
@@ -139,8 +173,10 @@ class EngineSpec(_Model):
         default_factory=dict, description="extra `fleetserve serve` flags, name → value"
     )
     env: dict[str, str] = Field(default_factory=dict)
-    cpu: str = "4"
-    memory: str = "32Gi"
+    cpu: Quantity = Field(default="4", description="CPU each engine pod requests")
+    memory: Quantity = Field(
+        default="32Gi", description="memory each engine pod requests, and its limit"
+    )
     version: str = Field(default="0.1.0", description="engine version (in the KV hash)")
 
 
@@ -326,6 +362,15 @@ class RouterSpec(_Model):
         default_factory=dict, description="where the router pods run (e.g. the engines' nodes)"
     )
     tolerations: list[dict[str, str]] = Field(default_factory=list)
+    cpu: Quantity = Field(
+        default="100m",
+        description="CPU each router pod requests (no limit: a busy router uses up to a core)",
+    )
+    memory: Quantity = Field(
+        default="256Mi",
+        description="memory each router pod requests, and its limit (its queues and caches are"
+        " bounded)",
+    )
 
 
 class RoleScaling(_Model):

@@ -325,6 +325,12 @@ def build_router_deployment(spec: InferenceDeploymentSpec, owner: Owner) -> dict
             {"name": env_name("pod_ip"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        # NOTE: requests keep the router out of BestEffort, the first class evicted under node
+        # pressure; like the engines, memory is limited at its request and CPU not at all.
+        "resources": {
+            "requests": {"cpu": spec.router.cpu, "memory": spec.router.memory},
+            "limits": {"memory": spec.router.memory},
+        },
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": ROUTER_PORT},
             "periodSeconds": 2,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,44 @@ def test_python_validation_mirrors_cel() -> None:
         )
     with pytest.raises(ValidationError, match="connector"):
         InferenceDeploymentSpec.model_validate(_spec(unified={}))
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("4", True),
+        ("500m", True),
+        ("1.5", True),
+        (".5", True),
+        ("2Gi", True),
+        ("128M", True),
+        ("1e3", True),
+        ("lots", False),
+        ("-1", False),
+        ("1Gb", False),
+        ("2 Gi", False),
+        ("", False),
+    ],
+)
+def test_resource_quantities_are_checked_in_the_crd_and_in_python(value: str, ok: bool) -> None:
+    """engine.cpu/memory and router.cpu/memory: the CRD carries the API server's quantity
+    pattern (without a sign), and Python refuses the same strings, naming the field and the
+    allowed forms."""
+    props = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    spec_props = props["spec"]["properties"]
+    for section in ("engine", "router"):
+        for name in ("cpu", "memory"):
+            field = spec_props[section]["properties"][name]
+            assert field["type"] == "string"
+            assert (re.fullmatch(field["pattern"], value) is not None) == ok, (section, name)
+            body = {**_spec(prefill={}, decode={}), section: {name: value}}
+            if ok:
+                InferenceDeploymentSpec.model_validate(body)
+            else:
+                with pytest.raises(
+                    ValidationError, match=rf"{section}\.{name}\n.*must be a Kubernetes quantity"
+                ):
+                    InferenceDeploymentSpec.model_validate(body)
 
 
 @pytest.mark.parametrize(

@@ -91,10 +91,11 @@ def test_flags_come_from_the_fields() -> None:
 def test_field_names_match_the_api() -> None:
     names = {f.name for f in fields(RouterConfig)}
     assert set(Disaggregation.model_fields) <= names
-    # Not routing settings: how many router pods, where they run, and how long a stopping one
-    # may finish its streams (the Deployment's; rendered as shutdown_grace_s, test_builders).
+    # Not routing settings: how many router pods, where they run, what they request, and how
+    # long a stopping one may finish its streams (the Deployment's; rendered as
+    # shutdown_grace_s, test_builders).
     placement = {"replicas", "disaggregation", "node_selector", "tolerations",
-                 "drain_timeout_seconds"}  # fmt: skip
+                 "drain_timeout_seconds", "cpu", "memory"}  # fmt: skip
     assert set(RouterSpec.model_fields) - placement <= names
     defaults = RouterConfig(**PD)
     assert defaults.mode == Disaggregation().mode

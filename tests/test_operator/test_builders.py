@@ -272,6 +272,25 @@ def test_engine_flags_lists_every_rendered_flag() -> None:
             assert rendered - user <= set(ENGINE_FLAGS), sample
 
 
+def test_router_pods_request_their_resources() -> None:
+    """Without requests a router pod is BestEffort, the first evicted under node pressure: it
+    requests CPU (not limited) and memory (limited at the request), as the engines do."""
+
+    def resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+        router = build_router_deployment(spec, OWNER)
+        found: dict[str, Any] = router["spec"]["template"]["spec"]["containers"][0]["resources"]
+        return found
+
+    assert resources(_spec()) == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    assert resources(_spec(router={"cpu": "2", "memory": "1Gi"})) == {
+        "requests": {"cpu": "2", "memory": "1Gi"},
+        "limits": {"memory": "1Gi"},
+    }
+
+
 def test_cpu_sample_runs_a_prefill_and_a_decode_engine_on_the_local_node() -> None:
     spec = _sample("cpu-smollm2.yaml")
     children = build_children(spec, OWNER)

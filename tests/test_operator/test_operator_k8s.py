@@ -81,6 +81,7 @@ def _children(env: OperatorEnv, ns: str, name: str) -> set[tuple[str, str]]:
         ("autoscaling", "autoscaling min must be <= max"),
         ("connector", 'Unsupported value: "foo"'),
         ("rdma", "protocol rdma needs the mooncake connector"),
+        ("quantity", "spec.router.memory in body should match"),
     ],
 )
 def test_invalid_specs_rejected_at_admission(
@@ -96,6 +97,8 @@ def test_invalid_specs_rejected_at_admission(
         body["kvTransfer"] = {"connector": "foo"}
     elif spec == "rdma":
         body["kvTransfer"] = {"connector": "tcp", "protocol": "rdma"}
+    elif spec == "quantity":
+        body["router"] = {"memory": "1Gb"}
     else:
         body["roles"] = spec
     doc = {
