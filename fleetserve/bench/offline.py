@@ -193,26 +193,22 @@ def run_transformers(model: str, workload: Workload, args: argparse.Namespace) -
     return Result("transformers", runs, produced, workload.num_prompt_tokens)
 
 
-def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
+def vllm_python(args: argparse.Namespace) -> Path | None:
+    """The side venv's python that `--vllm-python` or `FLEETSERVE_VLLM_PYTHON` names (None: none,
+    or it does not exist)."""
     python = args.vllm_python or read_env().vllm_python
-    if not python or not Path(python).exists():
-        return None
+    return Path(python) if python and Path(python).exists() else None
+
+
+def run_vllm_peer(python: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Run `fleetserve.bench.vllm_peer` on `spec` with the side venv's `python`; its result, or
+    None (with vLLM's last output on stderr) when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "workload.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "model": model,
-                    "prompts": workload.prompts,
-                    "output_len": workload.output_len,
-                    "dtype": args.dtype,
-                    "repeats": args.repeats,
-                }
-            )
-        )
+        path = Path(tmp) / "workload.json"
+        path.write_text(json.dumps(spec))
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         proc = subprocess.run(
-            [python, "-m", "fleetserve.bench.vllm_peer", str(spec)],
+            [str(python), "-m", "fleetserve.bench.vllm_peer", str(path)],
             capture_output=True,
             text=True,
             env=env,
@@ -222,7 +218,24 @@ def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result
         if proc.returncode != 0:
             print(f"vllm peer failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return None
-        data = json.loads(Path(str(spec) + ".result").read_text())
+        result: dict[str, Any] = json.loads(Path(str(path) + ".result").read_text())
+    return result
+
+
+def run_vllm(model: str, workload: Workload, args: argparse.Namespace) -> Result | None:
+    python = vllm_python(args)
+    if python is None:
+        return None
+    spec = {
+        "model": model,
+        "prompts": workload.prompts,
+        "output_len": workload.output_len,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+    }
+    data = run_vllm_peer(python, spec)
+    if data is None:
+        return None
     return Result(
         "vllm-cpu", tuple(data["runs_s"]), data["output_tokens"], workload.num_prompt_tokens
     )
