@@ -183,13 +183,14 @@ def vllm_step_seconds(short_s: list[float], long_s: list[float], steps: int) -> 
 
 
 def run_vllm(
-    model_dir: Path, args: argparse.Namespace, dtype_name: str, roofline: Roofline
+    python: Path, model_dir: Path, args: argparse.Namespace, dtype_name: str, roofline: Roofline
 ) -> DecodeResult | None:
-    """vLLM's decode step on the same shape, prompts and dtype (None: its peer failed)."""
-    from fleetserve.bench.offline import run_vllm_peer, vllm_python
+    """vLLM's decode step on the same shape, prompts and dtype, run by the side venv's
+    `python` (None: its peer failed)."""
+    import torch
 
-    python = vllm_python(args)
-    assert python is not None, "run_from_args checks the side venv first"
+    from fleetserve.bench.offline import run_vllm_peer
+
     shape = SHAPES[args.shape]
     spec = {
         "model": str(model_dir),
@@ -205,7 +206,7 @@ def run_vllm(
     if data is None:
         return None
     step_s = vllm_step_seconds(data["short_s"], data["long_s"], args.steps)
-    element_size = 2 if dtype_name in ("bfloat16", "float16") else 4
+    element_size = getattr(torch, dtype_name).itemsize
     bound = roofline_step_seconds(shape, args.batch_size, element_size, roofline)
     return DecodeResult(
         mode="vllm-cpu",
@@ -327,7 +328,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--modes must list some of 'graphs', 'eager', 'vllm', got {args.modes!r}")
     if args.vllm_repeats < 1:
         raise ValueError(f"--vllm-repeats must be >= 1, got {args.vllm_repeats}")
-    if "vllm" in modes and vllm_python(args) is None:
+    peer_python = vllm_python(args) if "vllm" in modes else None
+    if "vllm" in modes and peer_python is None:
         raise ValueError(
             "--modes vllm needs a side venv with vllm-cpu: --vllm-python PATH or"
             f" FLEETSERVE_VLLM_PYTHON, got {args.vllm_python!r}"
@@ -342,8 +344,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         model_dir = write_shape_folder(args.shape, Path(tmp))
         for mode in (m for m in modes if m != "vllm"):
             rows.append(run_mode(model_dir, args, enforce_eager=mode == "eager", roofline=roofline))
-        if "vllm" in modes:
-            peer = run_vllm(model_dir, args, dtype_name, roofline)
+        if peer_python is not None:
+            peer = run_vllm(peer_python, model_dir, args, dtype_name, roofline)
             if peer is None:
                 print("vllm: failed (its output is above)")
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 
 def main(spec_path: str) -> int:
@@ -58,7 +59,7 @@ def main(spec_path: str) -> int:
     return 0
 
 
-def _decode_steps(llm: object, prompts: list, spec: dict, spec_path: str) -> int:
+def _decode_steps(llm: Any, prompts: list[Any], spec: dict[str, Any], spec_path: str) -> int:
     from vllm import SamplingParams
 
     timings: dict[str, list[float]] = {"short_s": [], "long_s": []}
@@ -68,10 +69,10 @@ def _decode_steps(llm: object, prompts: list, spec: dict, spec_path: str) -> int
             params = SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
             )
-            if not llm.reset_prefix_cache():  # type: ignore[attr-defined]
+            if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache before a timed run")
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params)  # type: ignore[attr-defined]
+            outputs = llm.generate(prompts, params)
             timings[key].append(time.perf_counter() - start)
             if any(len(o.outputs[0].token_ids) != max_tokens for o in outputs):
                 raise RuntimeError(f"vLLM did not produce {max_tokens} tokens for every prompt")
