@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from fleetserve.api.models import InferenceDeploymentSpec
 
 __all__ = [
@@ -58,14 +60,14 @@ def cluster_facts(
 
 
 def cpu_cores(quantity: str) -> float:
-    """A Kubernetes CPU quantity in cores ("4", "500m", "1.5").
+    """A Kubernetes CPU quantity in cores: every form the CRD admits ("4", "500m", "1.5", "1k",
+    "1e3"), read by the Kubernetes client's own parser.
 
     Raises:
-        ValueError: not a CPU quantity.
+        ValueError: not a quantity.
     """
-    text = quantity.strip()
     try:
-        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+        return float(parse_quantity(quantity.strip()))
     except ValueError:
         raise ValueError(
             f"engine.cpu must be a CPU quantity such as '4' or '500m', got {quantity!r}"

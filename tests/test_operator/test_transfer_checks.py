@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
-from fleetserve.api.models import InferenceDeploymentSpec
+from fleetserve.api.models import QUANTITY_PATTERN, InferenceDeploymentSpec
 from fleetserve.operator.transfer_checks import (
     ClusterFacts,
     cluster_facts,
@@ -85,7 +86,20 @@ def test_a_unified_fleet_moves_no_kv() -> None:
     assert transfer_warnings(spec, ClusterFacts("restricted")) == []
 
 
-def test_cpu_quantities() -> None:
-    assert cpu_cores("4") == 4 and cpu_cores("500m") == 0.5 and cpu_cores("1.5") == 1.5
+@pytest.mark.parametrize(
+    ("quantity", "cores"),
+    [("4", 4), ("500m", 0.5), ("1.5", 1.5), (".5", 0.5), ("1k", 1000), ("1e3", 1000),
+     ("0.5e1", 5), ("2500u", 0.0025)],
+)  # fmt: skip
+def test_cpu_quantities_in_every_form_the_crd_admits(quantity: str, cores: float) -> None:
+    """The CRD admits every Kubernetes quantity form, so the reconcile reads each of them
+    (a form it could not read passed `kubectl apply` and then failed the reconcile)."""
+    assert re.fullmatch(QUANTITY_PATTERN, quantity) is not None
+    assert cpu_cores(quantity) == pytest.approx(cores)
+    spec = _spec({"connector": "tcp", "numThreads": 8}, cpu=quantity)
+    assert bool(transfer_warnings(spec, ClusterFacts())) == (cores < 8)
+
+
+def test_cpu_quantity_that_is_none_is_named() -> None:
     with pytest.raises(ValueError, match=r"engine\.cpu must be a CPU quantity"):
         cpu_cores("four")
