@@ -1,7 +1,8 @@
 """The fused C++ elementwise kernels of the CPU (`fleetserve/kernels/cpu/elementwise.cpp`, called
 through `fleetserve.kernels.cpu.ops`) against the engine's torch arithmetic (`kernels.reference`):
 odd widths, strided rows, in-place rotary on views of one qkv buffer, extreme activations, the
-fall-backs (other dtypes, partial and gpt-j rotary), batch invariance, and refused inputs.
+fall-backs (float16, partial and gpt-j rotary), batch invariance, bfloat16 rounded where torch's
+bfloat16 ops round, and refused inputs.
 
 Float32 results may differ from torch by a few ulp (the order of RMSNorm's sum of squares, the
 exponential's polynomial, fused multiply-adds), hence the tolerances of a few float32 ulp.
@@ -80,10 +81,74 @@ def test_silu_and_mul_equals_the_reference_and_stays_finite_at_the_extremes() ->
     torch.testing.assert_close(out, silu_and_mul_ref(x), **ULPS)
 
 
+needs_bf16 = pytest.mark.skipif(
+    not ops.elementwise_bf16_supported(), reason="bfloat16 kernels need AVX-512"
+)
+# One bfloat16 ulp (8 significant bits); the absolute part for SiLU far below zero, where the
+# clamped exponential gives -6e-35 and torch -0.
+BF16_ULP = {"rtol": 2**-7, "atol": 1e-30}
+
+
+def _bf16_agreement(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one bfloat16 ulp everywhere, and the same bits almost everywhere: a float32
+    difference of a few ulp (the sum of squares' order, the exponential) changes the bfloat16
+    result only where it straddles a rounding boundary."""
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), **BF16_ULP)
+    assert (ours != ref).float().mean().item() < 0.01
+
+
+@needs_bf16
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (3, 65), (257, 576)])
+def test_bfloat16_rms_norm_rounds_where_the_torch_ops_round(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden + 7, generator=gen) * 3).bfloat16()[:, :hidden]
+    residual = (torch.randn(rows, hidden, generator=gen) * 10).bfloat16()
+    weight = torch.randn(hidden, generator=gen).bfloat16()
+    ref = rms_norm_ref(x, weight, 1e-5)
+    assert isinstance(ref, torch.Tensor)
+    _bf16_agreement(ops.rms_norm(x, weight, 1e-5), ref)
+    normed, summed = ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_normed, ref_summed = rms_norm_ref(x, weight, 1e-6, residual)
+    assert torch.equal(summed, ref_summed)  # the add rounded once, as torch's bfloat16 add
+    _bf16_agreement(normed, ref_normed)
+
+
+@needs_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (2, 1, 40)])
+def test_bfloat16_rotary_gives_the_torch_ops_bits(
+    heads: int, kv_heads: int, head_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads)
+    tokens = 37
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen) * 4).bfloat16()
+    q = qkv[:, : heads * head_size].view(tokens, heads, head_size)
+    k = qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(tokens, kv_heads, head_size)
+    v_before = qkv[:, (heads + kv_heads) * head_size :].clone()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = (t.bfloat16() for t in _rotary_tables(4096, head_size))
+    expected_q, expected_k = rotary_ref(positions, q, k, cos, sin, True)
+    ops.rotary_embedding(positions, q, k, cos, sin, True)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)
+
+
+@needs_bf16
+def test_bfloat16_silu_and_mul_rounds_where_the_torch_ops_round() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(129, 2 * 1537, generator=gen) * 5).bfloat16()
+    x[0, :6] = torch.tensor([-1e4, -100.0, -88.0, 88.0, 100.0, 1e4])
+    x[0, 1537 : 1537 + 6] = 1.0
+    out = ops.silu_and_mul(x)
+    assert torch.isfinite(out).all()
+    _bf16_agreement(out, silu_and_mul_ref(x))
+    assert torch.equal(ops.silu_and_mul(x)[100], ops.silu_and_mul(x[100:101])[0])
+
+
 def test_other_dtypes_and_rotary_layouts_fall_back_to_the_reference_exactly() -> None:
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    weight = torch.randn(64, generator=gen).to(torch.float16)
     assert torch.equal(ops.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
     assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))
     positions = torch.arange(5)
@@ -101,6 +166,8 @@ def test_the_kernels_refuse_what_they_cannot_compute_with_the_reason() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="must be float32"):
         kernels.rms_norm(x.double(), torch.ones(8).double(), 1e-5, torch.empty(4, 8).double())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.rms_norm(x, torch.ones(8).bfloat16(), 1e-5, torch.empty(4, 8))
     with pytest.raises(RuntimeError, match="weight must be contiguous"):
         kernels.rms_norm(x, torch.ones(9), 1e-5, torch.empty(4, 8))
     with pytest.raises(RuntimeError, match="x must be \\[rows, 2d\\] and out \\[rows, d\\]"):

@@ -3,11 +3,16 @@
 // makes three to six (every op a full read and write of the activations, and a dispatch).
 //
 // Registered in the `fleetserve_cpu` namespace beside paged_attention.cpp (one library, built by
-// fleetserve/kernels/cpu/build.py). Float32 only: the bf16/fp16 conversions do not vectorize
-// here, and those dtypes keep the torch ops (fleetserve/kernels/cpu/ops.py chooses). The
-// arithmetic follows the engine's torch code (fleetserve/kernels/reference.py); results differ
-// from it by a few ulp at most: the order of RMSNorm's sum of squares, the exponential (a
-// polynomial here, about one ulp), and multiply-adds fused by the compiler.
+// fleetserve/kernels/cpu/build.py). Float32, and bfloat16 on AVX-512 CPUs; float16 keeps the
+// torch ops (fleetserve/kernels/cpu/ops.py chooses). The arithmetic follows the engine's torch
+// code (fleetserve/kernels/reference.py); float32 results differ from it by a few ulp at most:
+// the order of RMSNorm's sum of squares, the exponential (a polynomial here, about one ulp), and
+// multiply-adds fused by the compiler.
+//
+// In bfloat16 the kernels compute in float32 and round to bfloat16 (to nearest even, as torch's
+// conversion) exactly where torch's bfloat16 ops round: after each op of the reference. So
+// rotary and the residual add give torch's bits, and RMSNorm and SiLU differ from it only where
+// the few-ulp float32 difference above crosses a bfloat16 rounding boundary (one bfloat16 ulp).
 //
 // Work is split over rows with at::parallel_for (torch's pool); the grain keeps small batches
 // (decode steps) on one thread, where waking the pool costs more than the work. A row is always
@@ -22,11 +27,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 16;
+
+bool bf16_supported() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
@@ -35,8 +49,50 @@ int64_t grain_rows(int64_t row_elements) {
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
               " must be a CPU tensor [rows, hidden] with contiguous rows");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
 }
+
+void check_same_dtype(std::initializer_list<const at::Tensor*> tensors) {
+  const at::ScalarType dtype = (*tensors.begin())->scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "the tensors must be float32 or bfloat16, got ", dtype);
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->scalar_type() == dtype, "every tensor must have one dtype, got ", dtype,
+                " and ", t->scalar_type());
+  }
+  TORCH_CHECK(dtype != at::kBFloat16 || bf16_supported(),
+              "bfloat16 needs a CPU with AVX-512 (check elementwise_bf16_supported() first)");
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of bfloat16 <-> float32. A bfloat16 is a float32's high half, so loading widens
+// exactly; storing rounds to nearest even, as c10::BFloat16 does (NaN stays a NaN).
+using bf16 = at::BFloat16;
+
+__m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__m512i rne_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16), _mm512_set1_epi32(0x7FC0));
+}
+
+// v rounded to bfloat16 and widened again: the value torch's bfloat16 op would hand on.
+__m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(rne_bits(v), 16)); }
+
+void store16(bf16* p, __m512 v, __mmask16 m) { _mm512_mask_cvtepi32_storeu_epi16(p, m, rne_bits(v)); }
+
+__mmask16 lanes(int64_t i, int64_t n) {
+  return n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << (n - i)) - 1u);
+}
+#endif
 
 // out = weight * (v * rsqrt(mean(v^2) + eps)) per row, v = x, or x + residual (then also written
 // to `summed`).
@@ -80,18 +136,71 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
   });
 }
 
+#if defined(__AVX512F__)
+// rms_norm_impl in bfloat16: x + residual rounded (torch adds in bfloat16), the sum of squares in
+// float32, the normalised value rounded before the weight multiplies it (as HF's RMSNorm casts it
+// back to the input dtype), and the product rounded.
+void rms_norm_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                   double eps, at::Tensor& out, at::Tensor* summed) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const bf16* xp = x.const_data_ptr<bf16>();
+  const bf16* rp = residual ? residual->const_data_ptr<bf16>() : nullptr;
+  const bf16* wp = weight.const_data_ptr<bf16>();
+  bf16* op = out.mutable_data_ptr<bf16>();
+  bf16* sp = summed ? summed->mutable_data_ptr<bf16>() : nullptr;
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  const int64_t os = out.stride(0), ss = summed ? summed->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden + 16);
+    float* v = row.data();
+    for (int64_t r = begin; r < end; ++r) {
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = lanes(i, hidden);
+        __m512 a = load16(xp + r * xs + i, m);
+        if (rp != nullptr) {
+          a = round16(_mm512_add_ps(a, load16(rp + r * rs + i, m)));
+          store16(sp + r * ss + i, a, m);
+        }
+        _mm512_storeu_ps(v + i, a);  // masked-off lanes are zero
+        squares = _mm512_fmadd_ps(a, a, squares);
+      }
+      const float sum = _mm512_reduce_add_ps(squares);
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sum / static_cast<float>(hidden) + feps));
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = lanes(i, hidden);
+        const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(v + i), inv));
+        store16(op + r * os + i, _mm512_mul_ps(load16(wp + i, m), normed), m);
+      }
+    }
+  });
+}
+#endif
+
+void rms_norm_any(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                  double eps, at::Tensor& out, at::Tensor* summed) {
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_bf16(x, residual, weight, eps, out, summed);
+    return;
+  }
+#endif
+  rms_norm_impl(x, residual, weight, eps, out, summed);
+}
+
 void rms_norm_checks(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "weight must be contiguous [hidden]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
+  check_same_dtype({&x, &weight, &out});
 }
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   rms_norm_checks(x, weight, out);
-  rms_norm_impl(x, nullptr, weight, eps, out, nullptr);
+  rms_norm_any(x, nullptr, weight, eps, out, nullptr);
 }
 
 void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -102,7 +211,8 @@ void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
   check_rows(summed, "summed");
   TORCH_CHECK(residual.sizes() == x.sizes() && summed.sizes() == x.sizes(),
               "residual and summed must be shaped like x");
-  rms_norm_impl(x, &residual, weight, eps, out, &summed);
+  check_same_dtype({&x, &residual, &summed});
+  rms_norm_any(x, &residual, weight, eps, out, &summed);
 }
 
 // Neox rotary of x [T, heads, D] in place: the pairs (i, i + D/2) of each head rotate by the
@@ -129,6 +239,38 @@ void rotate_rows(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0,
   });
 }
 
+#if defined(__AVX512F__)
+// rotate_rows in bfloat16, rounding where torch's ops do: x * cos and rotate_half(x) * sin each
+// rounded, then their sum. Every product of two bfloat16 values is exact in float32, so these are
+// torch's bits.
+void rotate_rows_bf16(bf16* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0, int64_t s1,
+                      const int64_t* pos, const bf16* cos_cache, const bf16* sin_cache,
+                      int64_t cs) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* c = cos_cache + pos[t] * cs;
+      const bf16* s = sin_cache + pos[t] * cs;
+      for (int64_t h = 0; h < heads; ++h) {
+        bf16* a = x + t * s0 + h * s1;
+        bf16* b = a + half;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = lanes(i, half);
+          const __m512 x1 = load16(a + i, m), x2 = load16(b + i, m);
+          const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+          const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16(c + i, m))),
+                                          round16(_mm512_mul_ps(neg_x2, load16(s + i, m))));
+          const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, load16(c + half + i, m))),
+                                          round16(_mm512_mul_ps(x1, load16(s + half + i, m))));
+          store16(a + i, lo, m);
+          store16(b + i, hi, m);
+        }
+      }
+    }
+  });
+}
+#endif
+
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
@@ -138,14 +280,13 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   for (const at::Tensor* t : {&query, &key}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) >= tokens && t->stride(2) == 1,
                 "query and key must be [T, heads, head_size] with contiguous heads");
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "query and key must be float32");
   }
+  check_same_dtype({&query, &key, &cos_cache, &sin_cache});
   const int64_t D = query.size(2);
   TORCH_CHECK(key.size(2) == D && D % 2 == 0, "query and key need one even head_size");
   for (const at::Tensor* t : {&cos_cache, &sin_cache}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->stride(1) == 1 &&
-                    t->scalar_type() == at::kFloat,
-                "cos_cache and sin_cache must be float32 [max_position, head_size] rows");
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->stride(1) == 1,
+                "cos_cache and sin_cache must be [max_position, head_size] rows");
   }
   TORCH_CHECK(sin_cache.stride(0) == cos_cache.stride(0), "cos and sin caches must share a layout");
   const int64_t* pos = positions.const_data_ptr<int64_t>();
@@ -153,6 +294,16 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "position ", pos[t],
                 " is outside the cos/sin tables");
   }
+#if defined(__AVX512F__)
+  if (query.scalar_type() == at::kBFloat16) {
+    for (at::Tensor* t : {&query, &key}) {
+      rotate_rows_bf16(t->mutable_data_ptr<bf16>(), tokens, t->size(1), D, t->stride(0),
+                       t->stride(1), pos, cos_cache.const_data_ptr<bf16>(),
+                       sin_cache.const_data_ptr<bf16>(), cos_cache.stride(0));
+    }
+    return;
+  }
+#endif
   const float* c = cos_cache.const_data_ptr<float>();
   const float* s = sin_cache.const_data_ptr<float>();
   rotate_rows(query.mutable_data_ptr<float>(), tokens, query.size(1), D, query.stride(0),
@@ -199,17 +350,48 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+#if defined(__AVX512F__)
+// silu_and_mul_impl in bfloat16: silu(g) rounded (torch's F.silu returns bfloat16), then the
+// product rounded.
+void silu_and_mul_bf16(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  const bf16* xp = x.const_data_ptr<bf16>();
+  bf16* op = out.mutable_data_ptr<bf16>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* g = xp + r * xs;
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = lanes(i, d);
+        const __m512 gv = load16(g + i, m);
+        const __m512 e = fleetserve_cpu::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 silu = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store16(op + r * os + i, _mm512_mul_ps(silu, load16(g + d + i, m)), m);
+      }
+    }
+  });
+}
+#endif
+
 void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
               "x must be [rows, 2d] and out [rows, d]");
+  check_same_dtype({&x, &out});
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_and_mul_bf16(x, out);
+    return;
+  }
+#endif
   silu_and_mul_impl(x, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fleetserve_cpu, m) {
+  m.def("elementwise_bf16_supported() -> bool", &bf16_supported);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def(
       "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out, "
