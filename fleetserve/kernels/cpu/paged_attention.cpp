@@ -80,16 +80,23 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(v01, v23, 0xDD));
 }
 
-// logits[0..15] = q · k_t for 16 float32 key rows token_stride apart (D a multiple of 16): the
-// rows' products summed lane-wise, then the 16 sums folded together by sum_lanes16.
-template <int64_t D>
-inline void dot16(const float* q, const float* k, int64_t token_stride, float* logits) {
+// 16 cached values as float32: bfloat16 widens exactly (it is a float32's high half).
+inline __m512 load_f32x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32x16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// logits[0..15] = q · k_t for 16 float32 or bfloat16 key rows token_stride apart (D a multiple
+// of 16): the rows' products summed lane-wise, then the 16 sums folded together by sum_lanes16.
+template <int64_t D, typename T>
+inline void dot16(const float* q, const T* k, int64_t token_stride, float* logits) {
   __m512 qv[D / 16], v[16];
   for (int64_t c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int t = 0; t < 16; ++t) {
-    const float* kt = k + t * token_stride;
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-    for (int64_t c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+    const T* kt = k + t * token_stride;
+    __m512 a = _mm512_mul_ps(qv[0], load_f32x16(kt));
+    for (int64_t c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(qv[c], load_f32x16(kt + 16 * c), a);
     v[t] = a;
   }
   _mm512_storeu_ps(logits, sum_lanes16(v));
@@ -147,7 +154,8 @@ inline void softmax_inplace(float* s, int64_t n) {
 template <typename T, int64_t kHeadSize>
 constexpr bool kDot16 =
 #if defined(__AVX512F__)
-    std::is_same_v<T, float> && kHeadSize > 0 && kHeadSize % 16 == 0;
+    (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && kHeadSize > 0 &&
+    kHeadSize % 16 == 0;
 #else
     false;
 #endif
