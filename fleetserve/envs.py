@@ -68,9 +68,9 @@ class Env:
     """0: leave glibc's malloc thresholds as they are in engine processes on the CPU; otherwise
     they are raised so that step activations reuse memory (`engine.worker.cpu_malloc`)."""
     cpu_small_gemm: int | None = None
-    """0: every float32 GEMM on the CPU goes to oneDNN; otherwise those of at most
-    `SMALL_GEMM_MAX_ROWS` rows (decode steps) run the small-row kernel where the CPU has
-    AVX-512 (`engine.layers.gemm`)."""
+    """0: every float32 and bfloat16 GEMM on the CPU goes to oneDNN; otherwise those of at most
+    `SMALL_GEMM_MAX_ROWS[dtype]` rows (decode steps) run the small-row kernel where the CPU has
+    it (float32: AVX-512, bfloat16: AMX-BF16; `engine.layers.gemm`)."""
     port_range: str | None = None
     """`LOW-HIGH`: the ports fleetserve picks from when it chooses a free port itself (the local
     fleet's engines, multi-process rendezvous, the dev cluster, the benchmarks; see

@@ -23,13 +23,15 @@ the buckets up to the budget, and `warm_up_gemms` builds those up to `WARM_UP_MA
 independently, so the padding changes no real row; it costs little at decode sizes (the weight
 read dominates) and nothing at a full chunked-prefill budget (a bucket).
 
-Decode steps are the exception. In float32 on a CPU with AVX-512, GEMMs of at most
-`SMALL_GEMM_MAX_ROWS` rows run `fleetserve/kernels/cpu/small_gemm.cpp`, which streams its own
-packing of the weight while it computes (oneDNN's kernels leave the memory idle while they
-compute: a batch-32 SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it). Its
-packed copy takes the place of oneDNN's, so the weights still take twice their size, and oneDNN
-then computes longer steps from the plain weight, re-blocking it per call (measured 3.6-7% slower
-than prepacked at 512-2048 rows). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
+Decode steps are the exception. GEMMs of at most `SMALL_GEMM_MAX_ROWS[dtype]` rows run a small-row
+kernel that streams its own packing of the weight while it computes: in float32 on a CPU with
+AVX-512 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
+`small_gemm_bf16.cpp` (oneDNN's kernels leave the memory idle while they compute: a batch-32
+SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it in float32, and 20.5 against
+14.1 ms in bfloat16). Its packed copy takes the place of oneDNN's, so the weights still take
+twice their size, and oneDNN then computes longer steps from the plain weight, re-blocking it
+per call (in float32 3.6-7% slower than prepacked at 512-2048 rows, in bfloat16 1-4%; the
+bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
 row count.
 """
 
@@ -45,7 +47,14 @@ import torch.nn.functional as F
 from fleetserve.envs import read_env
 from fleetserve.kernels.cpu.ops import small_gemm_supported
 
-__all__ = ["DenseGemm", "onednn_linear", "onednn_rows", "small_linear", "warm_up_gemms"]
+__all__ = [
+    "DenseGemm",
+    "onednn_linear",
+    "onednn_rows",
+    "small_gemm_pack",
+    "small_linear",
+    "warm_up_gemms",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +66,17 @@ WARM_UP_MAX_ROWS = 512
 once: for a 7B model's four layer shapes, every bucket up to a 2048-token budget is about 5 TFLOP
 (10 s on 2 cores), up to 512 about 1.4; above 512 rows building a primitive (at most 3.6 ms seen)
 is small beside the step's own GEMMs."""
-SMALL_GEMM_MAX_ROWS = 96
-"""Float32 GEMMs of at most this many rows run the small-row kernel where it is available.
+SMALL_GEMM_MAX_ROWS = {torch.float32: 96, torch.bfloat16: 256}
+"""GEMMs of at most this many rows run the small-row kernel of their dtype where it is available.
+
+Bfloat16 (AMX), `fleetserve bench gemm --dtype bfloat16` on SmolLM2's shapes, the kernel against
+oneDNN prepacked and oneDNN on the plain weight (what takes the longer steps once the kernel's
+packing replaces oneDNN's), on the Intel box: 1 row 11.1 / 16.2 / 24.7 ms, 16 rows 12.4 / 17.4 /
+25.2, 32 rows 14.1 / 20.5 / 27.5, 64 rows 20.4 / 22.7 / 40.8, 128 rows 30.5 / 28.2 / 42.0, 256
+rows 54.9 / 43.3 / 60.7, 512 rows 109 / 93 / 97: the kernel beats the plain weight up to 256
+rows, oneDNN's re-blocking is paid off from 512.
+
+Float32:
 `fleetserve bench gemm` on SmolLM2's shapes (a step's 121 GEMMs, weights from memory), oneDNN
 prepacked against the kernel, on the Intel box: 1 row 28.0 / 22.0 ms, 16 rows 40.8 / 27.9,
 32 rows 54.0 / 38.7, 64 rows 84.5 / 68.5, 128 rows 133.8 / 130.9. With the weights in cache the
@@ -99,24 +117,37 @@ def onednn_linear(
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
+def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] packed for `small_linear` in its dtype's layout (float32 or bfloat16)."""
+    if weight.dtype == torch.bfloat16:
+        packed: torch.Tensor = torch.ops.fleetserve_cpu.small_gemm_bf16_pack(weight)
+    else:
+        packed = torch.ops.fleetserve_cpu.small_gemm_pack(weight)
+    return packed
+
+
 def small_linear(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x Wᵀ + b through the small-row kernel (float32 CPU tensors; `packed` from
-    `torch.ops.fleetserve_cpu.small_gemm_pack(W)`). Every output is one float32 FMA chain over
-    the input features in order, so a row's result does not depend on the rows beside it."""
+    """x Wᵀ + b through the small-row kernel of x's dtype (CPU tensors; `packed` from
+    `small_gemm_pack(W)`): in float32 every output is one FMA chain over the input features in
+    order, in bfloat16 one chain of AMX steps of 32 features, each rounded to bfloat16 once. Either
+    way a row's result does not depend on the rows beside it."""
     in_features = x.shape[-1]
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = torch.ops.fleetserve_cpu.small_gemm(flat, packed, out_features, bias)
+    if flat.dtype == torch.bfloat16:
+        out = torch.ops.fleetserve_cpu.small_gemm_bf16(flat, packed, out_features, bias)
+    else:
+        out = torch.ops.fleetserve_cpu.small_gemm(flat, packed, out_features, bias)
     return out.view(*x.shape[:-1], out_features)
 
 
 class DenseGemm:
     """x Wᵀ + b for one layer's weight of `dtype` on `device`: on a CPU torch was built with
-    oneDNN for (float32, bfloat16), oneDNN, and in float32 the small-row kernel for up to
-    `SMALL_GEMM_MAX_ROWS` rows where it runs; `F.linear` everywhere else (CUDA: cuBLAS). Chosen
+    oneDNN for (float32, bfloat16), oneDNN, and the small-row kernel of the dtype for up to
+    `SMALL_GEMM_MAX_ROWS[dtype]` rows where it runs; `F.linear` everywhere else (CUDA: cuBLAS). Chosen
     once per layer, so every layer of an engine computes the same way."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -126,11 +157,10 @@ class DenseGemm:
             and torch.backends.mkldnn.is_available()
         )
         self.uses_small_gemm = (
-            self.uses_onednn
-            and dtype == torch.float32
-            and read_env().cpu_small_gemm != 0
-            and small_gemm_supported()
+            self.uses_onednn and read_env().cpu_small_gemm != 0 and small_gemm_supported(dtype)
         )
+        self.small_max_rows = SMALL_GEMM_MAX_ROWS.get(dtype, 0)
+        """The most rows the small-row kernel takes (more go to oneDNN)."""
         self._packed: torch.Tensor | None = None
         """oneDNN's blocked weight (without the small-row kernel)."""
         self._small: torch.Tensor | None = None
@@ -151,7 +181,7 @@ class DenseGemm:
         self._weight = weight.detach()
         self._bias = None if bias is None else bias.detach()
         if self.uses_small_gemm:
-            self._small = torch.ops.fleetserve_cpu.small_gemm_pack(self._weight)
+            self._small = small_gemm_pack(self._weight)
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight)
 
@@ -171,7 +201,7 @@ class DenseGemm:
         weight = self._onednn_weight()
         if weight is None:
             return
-        smallest = SMALL_GEMM_MAX_ROWS + 1 if self._small is not None else 1
+        smallest = self.small_max_rows + 1 if self._small is not None else 1
         for rows in onednn_buckets(max_rows):
             if rows >= smallest:
                 x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
@@ -180,7 +210,7 @@ class DenseGemm:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self._small is not None and x.numel() <= SMALL_GEMM_MAX_ROWS * x.shape[-1]:
+        if self._small is not None and x.numel() <= self.small_max_rows * x.shape[-1]:
             return small_linear(x, self._small, weight.shape[0], bias)
         if self._packed is not None:
             return onednn_linear(x, self._packed, bias)

@@ -1,5 +1,5 @@
-"""Build and load the CPU kernels (`paged_attention.cpp`, `elementwise.cpp`, `small_gemm.cpp`)
-with the machine's C++ compiler, into one shared library.
+"""Build and load the CPU kernels (`paged_attention.cpp`, `elementwise.cpp`, `small_gemm.cpp`,
+`small_gemm_bf16.cpp`) with the machine's C++ compiler, into one shared library.
 
 The shared library is compiled once and cached under `<cache root>/kernels/cpu-<key>/`, where the
 key hashes everything that changes the generated code: the sources, the compiler flags and
@@ -34,9 +34,9 @@ from fleetserve.envs import read_env
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp", "small_gemm_bf16.cpp")
 )
-HEADERS = (Path(__file__).with_name("fast_exp.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("fast_exp.h", "bf16.h"))
 """Included by the sources: part of the build key, not compiled on their own."""
 OPS_NAMESPACE = "fleetserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared")

@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "fast_exp.h"
 
 #include <algorithm>
@@ -66,32 +67,11 @@ void check_same_dtype(std::initializer_list<const at::Tensor*> tensors) {
 }
 
 #if defined(__AVX512F__)
-// 16 lanes of bfloat16 <-> float32. A bfloat16 is a float32's high half, so loading widens
-// exactly; storing rounds to nearest even, as c10::BFloat16 does (NaN stays a NaN).
 using bf16 = at::BFloat16;
-
-__m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-__m512i rne_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16), _mm512_set1_epi32(0x7FC0));
-}
-
-// v rounded to bfloat16 and widened again: the value torch's bfloat16 op would hand on.
-__m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(rne_bits(v), 16)); }
-
-void store16(bf16* p, __m512 v, __mmask16 m) { _mm512_mask_cvtepi32_storeu_epi16(p, m, rne_bits(v)); }
-
-__mmask16 lanes(int64_t i, int64_t n) {
-  return n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                     : static_cast<__mmask16>((1u << (n - i)) - 1u);
-}
+using fleetserve_cpu::lanes16;
+using fleetserve_cpu::narrow16;
+using fleetserve_cpu::round16;
+using fleetserve_cpu::widen16;
 #endif
 
 // out = weight * (v * rsqrt(mean(v^2) + eps)) per row, v = x, or x + residual (then also written
@@ -157,11 +137,11 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Te
     for (int64_t r = begin; r < end; ++r) {
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = lanes(i, hidden);
-        __m512 a = load16(xp + r * xs + i, m);
+        const __mmask16 m = lanes16(i, hidden);
+        __m512 a = widen16(xp + r * xs + i, m);
         if (rp != nullptr) {
-          a = round16(_mm512_add_ps(a, load16(rp + r * rs + i, m)));
-          store16(sp + r * ss + i, a, m);
+          a = round16(_mm512_add_ps(a, widen16(rp + r * rs + i, m)));
+          narrow16(sp + r * ss + i, a, m);
         }
         _mm512_storeu_ps(v + i, a);  // masked-off lanes are zero
         squares = _mm512_fmadd_ps(a, a, squares);
@@ -169,9 +149,9 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Te
       const float sum = _mm512_reduce_add_ps(squares);
       const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sum / static_cast<float>(hidden) + feps));
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = lanes(i, hidden);
+        const __mmask16 m = lanes16(i, hidden);
         const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(v + i), inv));
-        store16(op + r * os + i, _mm512_mul_ps(load16(wp + i, m), normed), m);
+        narrow16(op + r * os + i, _mm512_mul_ps(widen16(wp + i, m), normed), m);
       }
     }
   });
@@ -255,15 +235,15 @@ void rotate_rows_bf16(bf16* x, int64_t tokens, int64_t heads, int64_t D, int64_t
         bf16* a = x + t * s0 + h * s1;
         bf16* b = a + half;
         for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = lanes(i, half);
-          const __m512 x1 = load16(a + i, m), x2 = load16(b + i, m);
+          const __mmask16 m = lanes16(i, half);
+          const __m512 x1 = widen16(a + i, m), x2 = widen16(b + i, m);
           const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-          const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16(c + i, m))),
-                                          round16(_mm512_mul_ps(neg_x2, load16(s + i, m))));
-          const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, load16(c + half + i, m))),
-                                          round16(_mm512_mul_ps(x1, load16(s + half + i, m))));
-          store16(a + i, lo, m);
-          store16(b + i, hi, m);
+          const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, widen16(c + i, m))),
+                                          round16(_mm512_mul_ps(neg_x2, widen16(s + i, m))));
+          const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, widen16(c + half + i, m))),
+                                          round16(_mm512_mul_ps(x1, widen16(s + half + i, m))));
+          narrow16(a + i, lo, m);
+          narrow16(b + i, hi, m);
         }
       }
     }
@@ -362,11 +342,11 @@ void silu_and_mul_bf16(const at::Tensor& x, at::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16* g = xp + r * xs;
       for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 m = lanes(i, d);
-        const __m512 gv = load16(g + i, m);
+        const __mmask16 m = lanes16(i, d);
+        const __m512 gv = widen16(g + i, m);
         const __m512 e = fleetserve_cpu::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 silu = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store16(op + r * os + i, _mm512_mul_ps(silu, load16(g + d + i, m)), m);
+        narrow16(op + r * os + i, _mm512_mul_ps(silu, widen16(g + d + i, m)), m);
       }
     }
   });

@@ -93,6 +93,13 @@ def elementwise_bf16_supported() -> bool:
     )
 
 
-def small_gemm_supported() -> bool:
-    """Whether `small_gemm.cpp`'s kernel runs here: the kernels built, on a CPU with AVX-512."""
-    return load_cpu_kernels().available and bool(torch.ops.fleetserve_cpu.small_gemm_supported())
+def small_gemm_supported(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the small-row GEMM runs here for `dtype`: the kernels built, and float32 on a CPU
+    with AVX-512 (`small_gemm.cpp`) or bfloat16 on one with AMX-BF16 (`small_gemm_bf16.cpp`)."""
+    if not load_cpu_kernels().available:
+        return False
+    if dtype == torch.float32:
+        return bool(torch.ops.fleetserve_cpu.small_gemm_supported())
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.fleetserve_cpu.small_gemm_bf16_supported())
+    return False

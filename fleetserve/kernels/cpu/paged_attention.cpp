@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "fast_exp.h"
 
 #include <algorithm>
@@ -82,10 +83,7 @@ inline __m512 sum_lanes16(const __m512* v) {
 
 // 16 cached values as float32: bfloat16 widens exactly (it is a float32's high half).
 inline __m512 load_f32x16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_f32x16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load_f32x16(const c10::BFloat16* p) { return fleetserve_cpu::widen16(p); }
 
 // logits[0..15] = q · k_t for 16 float32 or bfloat16 key rows token_stride apart (D a multiple
 // of 16): the rows' products summed lane-wise, then the 16 sums folded together by sum_lanes16.

@@ -1,5 +1,5 @@
 // x Wᵀ (+ b) in float32 for few rows: the GEMMs of decode steps (fleetserve/engine/layers/gemm.py
-// routes up to SMALL_GEMM_MAX_ROWS rows here, more to oneDNN).
+// routes up to SMALL_GEMM_MAX_ROWS[float32] rows here, more to oneDNN).
 //
 // At decode batch sizes a GEMM reads every weight from memory once and does only a few FMAs per
 // weight, so it runs as fast as the weight stream keeps the FMA units fed. oneDNN's and MKL's

@@ -1,6 +1,7 @@
 """The dense GEMM: oneDNN on the CPU for float32/bfloat16 (plain or prepacked weights) and the
-small-row kernel for float32 decode-sized GEMMs, each equal to the float64 product; layers
-compute with it, and the loader prepacks every layer's weight."""
+small-row kernels for decode-sized GEMMs (float32 on AVX-512, bfloat16 on AMX), each equal to
+the float64 product to its dtype's precision; layers compute with it, and the loader prepacks
+every layer's weight."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fleetserve.engine.layers.gemm import (
     SMALL_GEMM_MAX_ROWS,
     DenseGemm,
     onednn_linear,
+    small_gemm_pack,
     small_linear,
 )
 from fleetserve.engine.layers.layer_context import LayerContext
@@ -29,6 +31,11 @@ needs_onednn = pytest.mark.skipif(
 needs_small_gemm = pytest.mark.skipif(
     not small_gemm_supported(), reason="the small-row GEMM needs the CPU kernels and AVX-512"
 )
+needs_small_gemm_bf16 = pytest.mark.skipif(
+    not small_gemm_supported(torch.bfloat16),
+    reason="the bfloat16 small-row GEMM needs the CPU kernels and AMX-BF16",
+)
+BF16_MAX_ROWS = SMALL_GEMM_MAX_ROWS[torch.bfloat16]
 
 
 @needs_onednn
@@ -106,15 +113,89 @@ def test_float32_decode_sized_gemms_take_the_small_row_kernel_and_longer_ones_on
     gen = torch.Generator().manual_seed(6)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     gemm = DenseGemm(CPU, torch.float32)
-    assert gemm.uses_small_gemm and not DenseGemm(CPU, torch.bfloat16).uses_small_gemm
+    assert gemm.uses_small_gemm and not DenseGemm(CPU, torch.float16).uses_small_gemm
     gemm.prepack(weight, bias)
     assert gemm.prepacked
     packed = torch.ops.fleetserve_cpu.small_gemm_pack(weight)
-    for rows in (1, 16, SMALL_GEMM_MAX_ROWS):
+    max_rows = SMALL_GEMM_MAX_ROWS[torch.float32]
+    for rows in (1, 16, max_rows):
         x = torch.randn(rows, 64, generator=gen)
         assert torch.equal(gemm(x, weight, bias), small_linear(x, packed, 96, bias))
-    x = torch.randn(SMALL_GEMM_MAX_ROWS + 1, 64, generator=gen)
+    x = torch.randn(max_rows + 1, 64, generator=gen)
     assert torch.equal(gemm(x, weight, bias), onednn_linear(x, weight, bias))
+
+
+def _bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The float64 product of bfloat16 operands, rounded to bfloat16 once."""
+    out = x.double() @ weight.double().t()
+    return (out if bias is None else out + bias.double()).bfloat16()
+
+
+@needs_small_gemm_bf16
+@pytest.mark.parametrize(("out_features", "in_features"), [(300, 1000), (64, 576), (7, 40)])
+def test_the_bfloat16_small_row_kernel_is_the_product_whatever_rows_are_beside(
+    out_features: int, in_features: int
+) -> None:
+    # Partial 32-column panels (300, 7), K padded to a multiple of 32 (1000, 40) or not (576);
+    # 150 rows: chunks of 32 rows and a partial one (16 + 6).
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    packed = small_gemm_pack(weight)
+    x = torch.randn(150, 2 * in_features, generator=gen).bfloat16()[:, ::2]  # non-contiguous
+    whole = small_linear(x, packed, out_features, bias)
+    assert whole.dtype == torch.bfloat16
+    # Float32 sums rounded once to bfloat16: within one bfloat16 ulp of the exact product.
+    oracle = _bf16_product(x, weight, bias)
+    torch.testing.assert_close(whole.float(), oracle.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(whole, onednn_linear(x, weight, bias), rtol=2**-7, atol=1e-3)
+    # The same chain of AMX steps for each output: alone, in a 16-row tile, in any 32-row
+    # chunk, a row comes out the same bits.
+    for start, rows in [(0, 1), (5, 7), (13, 16), (40, 33), (100, 50)]:
+        part = small_linear(x[start : start + rows], packed, out_features, bias)
+        assert torch.equal(part, whole[start : start + rows])
+    unbiased = small_linear(x[:3].reshape(3, 1, in_features), packed, out_features)
+    assert unbiased.shape == (3, 1, out_features)
+    torch.testing.assert_close(
+        unbiased[:, 0].float(), _bf16_product(x[:3], weight, None).float(), rtol=2**-7, atol=1e-3
+    )
+
+
+@needs_small_gemm_bf16
+def test_bfloat16_decode_sized_gemms_take_the_amx_kernel_beside_onednn_on_the_same_threads() -> (
+    None
+):
+    """oneDNN's bfloat16 kernels use the AMX tiles too, on the same threads: each loads its own
+    tile configuration, so calls of the two interleaved give the same bits as alone."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    gemm = DenseGemm(CPU, torch.bfloat16)
+    assert gemm.uses_small_gemm and gemm.small_max_rows == BF16_MAX_ROWS
+    gemm.prepack(weight, bias)
+    packed = small_gemm_pack(weight)
+    small_x = torch.randn(BF16_MAX_ROWS, 64, generator=gen).bfloat16()
+    long_x = torch.randn(BF16_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    alone = [small_linear(small_x[:rows], packed, 96, bias) for rows in (1, 17, BF16_MAX_ROWS)]
+    long_alone = onednn_linear(long_x, weight, bias)
+    for _ in range(2):
+        for rows, expected in zip((1, 17, BF16_MAX_ROWS), alone, strict=True):
+            assert torch.equal(gemm(small_x[:rows], weight, bias), expected)
+            assert torch.equal(gemm(long_x, weight, bias), long_alone)
+
+
+@needs_small_gemm_bf16
+def test_bfloat16_small_gemm_rejects_what_it_was_not_packed_for() -> None:
+    packed = small_gemm_pack(torch.zeros(40, 64).bfloat16())
+    kernel = torch.ops.fleetserve_cpu.small_gemm_bf16
+    with pytest.raises(RuntimeError, match="x has 16 features, the packed weight 64"):
+        kernel(torch.zeros(2, 16).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel(torch.zeros(2, 64).bfloat16(), packed, 80, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(torch.zeros(2, 64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="small_gemm_bf16_pack"):
+        kernel(torch.zeros(2, 64).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), 40, None)
 
 
 @needs_onednn
