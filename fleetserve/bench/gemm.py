@@ -1,10 +1,11 @@
 """`fleetserve bench gemm`: one decode step's dense GEMMs, library against library, on the CPU.
 
 A model shape's GEMMs (fused q/k/v, o, fused gate/up and down a layer, then the LM head) are
-built with seeded random float32 weights, every layer its own (so the weights come from memory,
-as in a real step), and timed for each row count through each implementation in turn: MKL
-(`F.linear` on the plain weight), oneDNN on the plain weight, oneDNN prepacked, and the
-small-row kernel (`fleetserve/kernels/cpu/small_gemm.cpp`, where it runs). Each line prints the
+built with seeded random weights in `--dtype` (float32 or bfloat16), every layer its own (so the
+weights come from memory, as in a real step), and timed for each row count through each
+implementation in turn: `F.linear` on the plain weight (MKL in float32), oneDNN on the plain
+weight, oneDNN prepacked, and the dtype's small-row kernel (`fleetserve/kernels/cpu/small_gemm.cpp`
+in float32 on AVX-512, `small_gemm_bf16.cpp` in bfloat16 on AMX, where it runs). Each line prints the
 median step time, the GFLOP/s, the ratio to oneDNN prepacked, and the step's roofline measured
 in the same run: max(weight bytes / bandwidth, FLOPs / GEMM rate).
 """
@@ -20,14 +21,18 @@ from typing import Any
 from fleetserve.bench.offline import layer_shapes
 
 _IMPLEMENTATIONS = ("mkl", "onednn-plain", "onednn", "small")
+_DTYPES = ("float32", "bfloat16")
 
 
-def _implementation(name: str) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
-    """(prepare the weight, compute x Wᵀ) of one implementation; None where it cannot run."""
+def _implementation(
+    name: str, dtype: Any
+) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
+    """(prepare the weight, compute x Wᵀ) of one implementation in `dtype`; None where it cannot
+    run."""
     import torch
     import torch.nn.functional as F
 
-    from fleetserve.engine.layers.gemm import onednn_linear, small_linear
+    from fleetserve.engine.layers.gemm import onednn_linear, small_gemm_pack, small_linear
     from fleetserve.kernels.cpu.ops import small_gemm_supported
 
     if name == "mkl":
@@ -38,31 +43,38 @@ def _implementation(name: str) -> tuple[Callable[[Any], Any], Callable[[Any, Any
         return (lambda w: w), (lambda x, w: onednn_linear(x, w))
     if name == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight, (lambda x, w: onednn_linear(x, w))
-    if not small_gemm_supported():
+    if not small_gemm_supported(dtype):
         return None
     return (
-        lambda w: (torch.ops.fleetserve_cpu.small_gemm_pack(w), w.shape[0]),
+        lambda w: (small_gemm_pack(w), w.shape[0]),
         lambda x, w: small_linear(x, w[0], w[1]),
     )
 
 
 def time_step(
-    name: str, shapes: list[tuple[int, int]], rows: list[int], reps: int, seed: int
+    name: str,
+    shapes: list[tuple[int, int]],
+    rows: list[int],
+    reps: int,
+    seed: int,
+    dtype: Any = None,
 ) -> dict[int, float] | None:
-    """Median seconds of one step's GEMMs at each row count (None: not available here)."""
+    """Median seconds of one step's GEMMs in `dtype` (default float32) at each row count (None:
+    not available here)."""
     import torch
 
-    impl = _implementation(name)
+    dtype = torch.float32 if dtype is None else dtype
+    impl = _implementation(name, dtype)
     if impl is None:
         return None
     prepare, compute = impl
     gen = torch.Generator().manual_seed(seed)
-    weights = [prepare(torch.randn(n, k, generator=gen)) for n, k in shapes]
+    weights = [prepare(torch.randn(n, k, generator=gen).to(dtype)) for n, k in shapes]
     result = {}
     with torch.inference_mode():
         for m in rows:
             # One input per width, as a step's activations are in cache when a GEMM reads them.
-            inputs = {k: torch.randn(m, k, generator=gen) for _, k in set(shapes)}
+            inputs = {k: torch.randn(m, k, generator=gen).to(dtype) for _, k in set(shapes)}
             calls = [(inputs[k], w) for (_, k), w in zip(shapes, weights, strict=True)]
             samples = []
             for rep in range(reps + 1):  # the first one builds oneDNN's primitives
@@ -84,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--implementations", default=",".join(_IMPLEMENTATIONS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=_DTYPES)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -105,14 +118,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers must be >= 1, got {layers}")
     shapes = layer_shapes(config) * layers + [(config["vocab_size"], config["hidden_size"])]
     weight_count = sum(n * k for n, k in shapes)
-    roofline = measure_roofline(torch.device("cpu"), torch.float32)
+    dtype = getattr(torch, args.dtype)
+    weight_bytes = weight_count * dtype.itemsize
+    roofline = measure_roofline(torch.device("cpu"), dtype)
     print(
         f"gemm: {args.shape}, {layers} layers + LM head, {len(shapes)} GEMMs, "
-        f"{weight_count * 4 / 1e6:.0f} MB of float32 weights; {roofline.describe()}"
+        f"{weight_bytes / 1e6:.0f} MB of {args.dtype} weights; {roofline.describe()}"
     )
     timings = {}
     for name in names:
-        timing = time_step(name, shapes, rows, args.reps, args.seed)
+        timing = time_step(name, shapes, rows, args.reps, args.seed, dtype)
         if timing is None:
             print(f"{name}: not available here")
         else:
@@ -121,7 +136,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"{'rows':>5} {'impl':<13} {'step ms':>9} {'GFLOP/s':>9} {'vs onednn':>10} {'roofline':>9}"
     )
     for m in rows:
-        bound = roofline.step_seconds(weight_count * 4, weight_count, m)
+        bound = roofline.step_seconds(weight_bytes, weight_count, m)
         base = timings.get("onednn", {}).get(m)
         for name, timing in timings.items():
             seconds = timing[m]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fleetserve.bench.decode import SHAPES, weight_count, write_shape_folder
 from fleetserve.bench.offline import layer_shapes
@@ -39,4 +40,15 @@ def test_the_bench_times_each_implementation_at_each_row_count(
     assert {(row[0], row[1]) for row in timed} == {(r, n) for r in ("1", "5") for n in names}
     assert all(float(row[2]) > 0 and row[4].endswith("x") for row in timed)
     assert main(["bench", "gemm", "--shape", "tiny", "--rows", "0"]) == 2
+    assert "--rows must be positive integers" in capsys.readouterr().err
+
+
+def test_the_bench_times_bfloat16_with_its_own_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "gemm", "--shape", "tiny", "--rows", "3", "--reps", "1", "--dtype", "bfloat16"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "MB of bfloat16 weights" in lines[0]
+    names = {line.split()[1] for line in lines if line.split()[:1] == ["3"]}
+    small = {"small"} if small_gemm_supported(torch.bfloat16) else set()
+    assert names == {"mkl", "onednn-plain", "onednn"} | small
     assert "--rows must be positive integers" in capsys.readouterr().err

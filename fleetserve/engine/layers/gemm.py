@@ -27,8 +27,8 @@ Decode steps are the exception. GEMMs of at most `SMALL_GEMM_MAX_ROWS[dtype]` ro
 kernel that streams its own packing of the weight while it computes: in float32 on a CPU with
 AVX-512 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
 `small_gemm_bf16.cpp` (oneDNN's kernels leave the memory idle while they compute: a batch-32
-SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it in float32, and 20.5 against
-14.1 ms in bfloat16). Its packed copy takes the place of oneDNN's, so the weights still take
+SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it in float32, and 21.4 against
+12.4 ms in bfloat16). Its packed copy takes the place of oneDNN's, so the weights still take
 twice their size, and oneDNN then computes longer steps from the plain weight, re-blocking it
 per call (in float32 3.6-7% slower than prepacked at 512-2048 rows, in bfloat16 1-4%; the
 bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
@@ -69,12 +69,12 @@ is small beside the step's own GEMMs."""
 SMALL_GEMM_MAX_ROWS = {torch.float32: 96, torch.bfloat16: 256}
 """GEMMs of at most this many rows run the small-row kernel of their dtype where it is available.
 
-Bfloat16 (AMX), `fleetserve bench gemm --dtype bfloat16` on SmolLM2's shapes, the kernel against
-oneDNN prepacked and oneDNN on the plain weight (what takes the longer steps once the kernel's
-packing replaces oneDNN's), on the Intel box: 1 row 11.1 / 16.2 / 24.7 ms, 16 rows 12.4 / 17.4 /
-25.2, 32 rows 14.1 / 20.5 / 27.5, 64 rows 20.4 / 22.7 / 40.8, 128 rows 30.5 / 28.2 / 42.0, 256
-rows 54.9 / 43.3 / 60.7, 512 rows 109 / 93 / 97: the kernel beats the plain weight up to 256
-rows, oneDNN's re-blocking is paid off from 512.
+Bfloat16 (AMX), `fleetserve bench gemm --dtype bfloat16` on SmolLM2's shapes (a step's 121
+GEMMs, weights from memory) on the Intel box, the kernel / oneDNN prepacked / oneDNN on the plain
+weight (which takes the longer steps once the kernel's packing replaces oneDNN's): 1 row 11.5 /
+16.7 / 21.9 ms, 16 rows 11.1 / 20.0 / 26.2, 32 rows 12.4 / 21.4 / 29.7, 96 rows 21.5 / 32.0 /
+36.7, 128 rows 27.3 / 38.6 / 38.8, 256 rows 49.3 / 43.7 / 59.4, 512 rows 111.9 / 98.7 / 89.1: the
+kernel beats the plain weight up to 256 rows.
 
 Float32:
 `fleetserve bench gemm` on SmolLM2's shapes (a step's 121 GEMMs, weights from memory), oneDNN
