@@ -3,12 +3,13 @@
 // rows here, more to oneDNN).
 //
 // A decode step's GEMM reads every weight once and does few multiplies per weight. In bfloat16
-// oneDNN took 15-18 ms for a SmolLM2 step's GEMMs at 1 to 16 rows on the project's Intel box, where
-// reading the 264 MB of weights takes about 10 (its kernels leave the memory idle while they
-// compute). AVX512-BF16's dot product (32 multiply-adds an instruction, one a cycle) streams the
-// weights at memory speed for one row but is compute-bound from about 8 rows (40 ms at 32). One
-// AMX TDPBF16PS does 8,192 multiply-adds (16 rows x 16 columns x 32 k) in a few dozen cycles, so
-// at up to 32 rows the weight stream bounds the kernel: 11 ms at 1 row, 14 at 32.
+// oneDNN (prepacked) took 16.7-21.4 ms for a SmolLM2 step's GEMMs at 1 to 32 rows on the
+// project's Intel box, where reading the 269 MB of weights takes about 10.4 (its kernels leave
+// the memory idle while they compute). AVX512-BF16's dot product (32 multiply-adds an
+// instruction, about one a cycle) streams the weights at memory speed for one row but is
+// compute-bound from about 8 rows (39 ms at 32). One AMX TDPBF16PS does 8,192 multiply-adds (16
+// rows x 16 columns x 32 k) in a few dozen cycles, so at up to 32 rows the weight stream bounds
+// the kernel: 11.5 ms at 1 row, 12.4 at 32 (`fleetserve bench gemm --dtype bfloat16`).
 //
 // The weight is packed once into panels of 32 output columns, K padded to a multiple of 32 with
 // zeros, each panel [K / 2][32][2]: the pairs (k, k + 1) of a column side by side, the layout AMX
