@@ -4,10 +4,11 @@ A model shape's GEMMs (fused q/k/v, o, fused gate/up and down a layer, then the 
 built with seeded random weights in `--dtype` (float32 or bfloat16), every layer its own (so the
 weights come from memory, as in a real step), and timed for each row count through each
 implementation in turn: `F.linear` on the plain weight (MKL in float32), oneDNN on the plain
-weight, oneDNN prepacked, and the dtype's small-row kernel (`fleetserve/kernels/cpu/small_gemm.cpp`
-in float32 on AVX-512, `small_gemm_bf16.cpp` in bfloat16 on AMX, where it runs). Each line prints the
-median step time, the GFLOP/s, the ratio to oneDNN prepacked, and the step's roofline measured
-in the same run: max(weight bytes / bandwidth, FLOPs / GEMM rate).
+weight, oneDNN prepacked, and the dtype's small-row kernel where it runs
+(`fleetserve/kernels/cpu/small_gemm.cpp` in float32 on AVX-512, `small_gemm_bf16.cpp` in
+bfloat16 on AMX). Each line prints the median step time, the GFLOP/s, the ratio to oneDNN
+prepacked, and the step's roofline measured in the same run: max(weight bytes / bandwidth,
+FLOPs / GEMM rate).
 """
 
 from __future__ import annotations

@@ -23,16 +23,16 @@ the buckets up to the budget, and `warm_up_gemms` builds those up to `WARM_UP_MA
 independently, so the padding changes no real row; it costs little at decode sizes (the weight
 read dominates) and nothing at a full chunked-prefill budget (a bucket).
 
-Decode steps are the exception. GEMMs of at most `SMALL_GEMM_MAX_ROWS[dtype]` rows run a small-row
-kernel that streams its own packing of the weight while it computes: in float32 on a CPU with
-AVX-512 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
+Decode steps are the exception. GEMMs of at most `SMALL_GEMM_MAX_ROWS[dtype]` rows run a
+small-row kernel that streams its own packing of the weight while it computes: in float32 on a
+CPU with AVX-512 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
 `small_gemm_bf16.cpp` (oneDNN's kernels leave the memory idle while they compute: a batch-32
 SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it in float32, and 21.4 against
 12.4 ms in bfloat16). Its packed copy takes the place of oneDNN's, so the weights still take
 twice their size, and oneDNN then computes longer steps from the plain weight, re-blocking it
 per call (in float32 3.6-7% slower than prepacked at 512-2048 rows, in bfloat16 1-4%; the
-bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%). `FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every
-row count.
+bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%).
+`FLEETSERVE_CPU_SMALL_GEMM=0` keeps oneDNN prepacked for every row count.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def small_linear(
 class DenseGemm:
     """x Wᵀ + b for one layer's weight of `dtype` on `device`: on a CPU torch was built with
     oneDNN for (float32, bfloat16), oneDNN, and the small-row kernel of the dtype for up to
-    `SMALL_GEMM_MAX_ROWS[dtype]` rows where it runs; `F.linear` everywhere else (CUDA: cuBLAS). Chosen
-    once per layer, so every layer of an engine computes the same way."""
+    `SMALL_GEMM_MAX_ROWS[dtype]` rows where it runs; `F.linear` everywhere else (CUDA: cuBLAS).
+    Chosen once per layer, so every layer of an engine computes the same way."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.uses_onednn = (

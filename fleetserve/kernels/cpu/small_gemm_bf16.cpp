@@ -215,12 +215,12 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
         const int64_t cols = std::min(kPanel, out_features - p * kPanel);
         for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
           const int chunk = static_cast<int>(std::min<int64_t>(2 * kTileRows, rows - m0));
+          const int first = std::min<int>(chunk, kTileRows), second = chunk - first;
           if (chunk != configured) {
-            configure_tiles(std::min<int>(chunk, kTileRows), std::max<int>(0, chunk - kTileRows));
+            configure_tiles(first, second);
             configured = chunk;
           }
-          const int first = std::min<int>(chunk, kTileRows);
-          panel_rows(xp + m0 * ldx, ldx, first, chunk - first, wp + p * panel_elems, kp,
+          panel_rows(xp + m0 * ldx, ldx, first, second, wp + p * panel_elems, kp,
                      bp ? bp + p * kPanel : nullptr, cols, op + m0 * out_features + p * kPanel,
                      out_features);
         }
