@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from fleetserve.engine.kv_transfer.transport import (
     TcpConfig,
     TransferFailure,
     TransferState,
+    TransferStatus,
     make_transport,
 )
 from fleetserve.engine.kv_transfer.transport.handle import Admission, Task, TaskState, Transfer
@@ -163,7 +165,7 @@ def _transfer(admission: Admission, finished: list, deadline: float = 1e18) -> T
         same_host=False,
         deadline=deadline,
         admission=admission,
-        on_finish=finished.append,
+        on_finish=lambda transfer, status: finished.append(transfer),
     )
 
 
@@ -202,6 +204,62 @@ def test_a_failed_transfer_is_reported_only_once_its_running_tasks_retired() -> 
     assert status.state is TransferState.FAILED and status.failure.stage is FailureStage.RECEIVE
     assert finished == [transfer] and admission.tasks == 0
     assert transfer.layer_state(1) is TransferState.FAILED
+
+
+class _HeldAdmission(Admission):
+    """Admission whose release of one task waits for an event (a runner descheduled there)."""
+
+    def __init__(self) -> None:
+        super().__init__(10, 10**9)
+        self.hold: Task | None = None
+        self.go = threading.Event()
+
+    def release(self, task: Task) -> None:
+        if task is self.hold:
+            self.go.wait(10)
+        super().release(task)
+
+
+def test_the_outcome_is_published_only_after_every_release_and_the_report() -> None:
+    """A caller that sees DONE must see it in the transport's stats too: the last task's runner
+    settles the transfer while another runner has retired its task but not yet released its
+    admission share, and the transport's report is slow. wait() returns after both."""
+    admission = _HeldAdmission()
+    reported = threading.Event()
+    seen_by_report: list[TransferState] = []
+
+    def on_finish(transfer: Transfer, status: TransferStatus) -> None:
+        seen_by_report.append(status.state)
+        assert transfer.poll().state is TransferState.PENDING  # not published yet
+        reported.wait(10)
+
+    transfer = Transfer(1, "p", layers=[0], total_bytes=20, num_descriptors=1, same_host=False,
+                        deadline=1e18, admission=admission, on_finish=on_finish)  # fmt: skip
+    a, b = (Task(transfer, 0, 10, None, lambda t: None) for _ in range(2))
+    for task in (a, b):
+        transfer.add_task(task)
+    admission.submit(transfer.start())
+    assert transfer.claim(a, None) and transfer.claim(b, None)
+    admission.hold = a
+    first = threading.Thread(target=transfer.retire, args=(a,))
+    first.start()
+    last = threading.Thread(target=transfer.retire, args=(b,))
+    last.start()
+    deadline = time.monotonic() + 10
+    while not seen_by_report and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert seen_by_report == [TransferState.DONE] and transfer.settled
+    reported.set()
+    last.join(10)
+    # Reported, but a's share is not released yet: still PENDING, and a's share is in flight.
+    assert transfer.wait(0.05).state is TransferState.PENDING and admission.tasks == 1
+    admission.go.set()
+    assert transfer.wait(10).state is TransferState.DONE
+    assert admission.tasks == 0 and admission.bytes == 0
+    first.join(10)
+    # A settled outcome stays: a late failure changes nothing.
+    assert transfer.fail(TransferFailure(FailureStage.TIMEOUT, "late", quiesced=True)) == []
+    assert transfer.poll().state is TransferState.DONE and seen_by_report == [TransferState.DONE]
 
 
 def test_unstoppable_work_makes_a_timeout_unquiesced_at_once() -> None:

@@ -6,6 +6,12 @@ retired successfully; it is FAILED, with a quiesced failure, only when every tas
 failed task's runner has returned (its lane was torn down if need be), and tasks that had not
 started are retired without running. That is how rule 2 of the interface (no late write into a
 block the caller may reuse) is kept.
+
+Settling and publishing are two steps. The transfer *settles* under the handle's lock when its
+outcome is fixed; the transport is told (`on_finish`) and the retired tasks' admission shares are
+released outside that lock; only then is the outcome *published* to `poll()` and `wait()`. So a
+caller that sees DONE or FAILED also sees it in the transport's `stats()`, with the transfer's
+tasks no longer in flight.
 """
 
 from __future__ import annotations
@@ -192,8 +198,10 @@ class Transfer(TransferHandle):
         same_host: bool,
         deadline: float,
         admission: Admission,
-        on_finish: Callable[[Transfer], None],
+        on_finish: Callable[[Transfer, TransferStatus], None],
     ) -> None:
+        """`on_finish` is called once, outside the handle's lock, with the settled status; the
+        outcome is published only after it returned."""
         self.transfer_id = transfer_id
         self.peer_engine_id = peer_engine_id
         self.deadline = deadline
@@ -207,7 +215,13 @@ class Transfer(TransferHandle):
         self._tasks: list[Task] = []
         self._outstanding = 0
         self._failure: TransferFailure | None = None
+        self._settled = False
+        self._reported = False
+        """`on_finish` returned: the transport counted the settled outcome."""
+        self._unreleased = 0
+        """Retired tasks whose admission share a runner has yet to release."""
         self._finished = False
+        """Published: settled, reported and every retired task released."""
         self._bytes_done = 0
         self._total_bytes = total_bytes
         self._num_descriptors = num_descriptors
@@ -234,9 +248,8 @@ class Transfer(TransferHandle):
             for layer, left in self._data_left.items():
                 if left == 0 and layer not in self._seals:
                     self._layers_done.add(layer)
-            finished = self._settle()
-        if finished:
-            self._on_finish(self)
+            settled = self._settle()
+        self._after([], settled)
         return list(self._tasks)
 
     # -- runners -------------------------------------------------------------------------------
@@ -257,8 +270,9 @@ class Transfer(TransferHandle):
                 task.state = TaskState.RETIRED
                 self._outstanding -= 1
                 retired.append(task)
-            finished = self._settle()
-        self._after(retired, finished)
+            self._unreleased += len(retired)
+            settled = self._settle()
+        self._after(retired, settled)
         return False
 
     def retire(
@@ -288,38 +302,43 @@ class Transfer(TransferHandle):
                             self._layers_done.add(task.layer)
                         else:
                             ready = seal
-            finished = self._settle()
-        self._after(retired, finished)
+            self._unreleased += len(retired)
+            settled = self._settle()
+        self._after(retired, settled)
         if ready is not None:
             # Seals bypass admission: they are tiny and must not queue behind new data.
             ready.dispatch(ready)
 
     def fail(self, failure: TransferFailure) -> list[Task]:
         """Fail the transfer (first failure wins); returns the tasks still running, for the
-        caller to abort. Tasks not started are retired."""
+        caller to abort. Tasks not started are retired. A settled transfer's outcome stays."""
         retired: list[Task] = []
         with self._cond:
             running = [t for t in self._tasks if t.state is TaskState.RUNNING]
             running += [t for t in self._seals.values() if t.state is TaskState.RUNNING]
+            if self._settled:
+                return running
             if any(not t.abortable and not t.bounded for t in running):
                 failure = TransferFailure(failure.stage, failure.message, quiesced=False)
             self._record(failure, retired)
-            finished = self._settle()
-        self._after(retired, finished)
+            self._unreleased += len(retired)
+            settled = self._settle()
+        self._after(retired, settled)
         return running
 
     def expire(self, now: float) -> list[Task]:
         """The watchdog's check: past the deadline, fail with TIMEOUT; returns tasks to abort."""
-        if self._finished or now <= self.deadline:
+        if self._settled or now <= self.deadline:
             return []
         with self._cond:
-            if self._failure is not None:
+            if self._failure is not None or self._settled:
                 return []
         return self.fail(_timeout(self))
 
     @property
-    def finished(self) -> bool:
-        return self._finished
+    def settled(self) -> bool:
+        """The outcome is fixed (it may not be published yet)."""
+        return self._settled
 
     # -- TransferHandle ------------------------------------------------------------------------
 
@@ -356,15 +375,17 @@ class Transfer(TransferHandle):
             return TransferState.FAILED
         return TransferState.PENDING
 
-    def _status(self) -> TransferStatus:
-        if not self._finished:
+    def _status(self, *, settled: bool = False) -> TransferStatus:
+        """What callers see: the published outcome, or the settled one for `on_finish`."""
+        final = self._finished or settled
+        if not final:
             state = TransferState.PENDING
         else:
             state = TransferState.FAILED if self._failure is not None else TransferState.DONE
         elapsed = self._elapsed if self._elapsed is not None else time.monotonic() - self._started
         return TransferStatus(
             state=state,
-            failure=self._failure if self._finished else None,
+            failure=self._failure if final else None,
             layers_done=frozenset(self._layers_done),
             layers=self._layers,
             bytes_done=self._bytes_done,
@@ -386,27 +407,40 @@ class Transfer(TransferHandle):
                 self._outstanding -= 1
                 retired.append(task)
 
-    def _settle(self) -> bool:
-        """Mark the transfer finished when its state allows; True if it just finished."""
-        if self._finished:
-            return False
+    def _settle(self) -> TransferStatus | None:
+        """Fix the outcome when the state allows: the settled status if it just settled."""
+        if self._settled:
+            return None
         if self._failure is not None:
             done = self._outstanding == 0 or not self._failure.quiesced
         else:
             done = self._outstanding == 0
-        if done:
-            self._finished = True
-            self._elapsed = time.monotonic() - self._started
-            self._cond.notify_all()
-        elif self._layers_done:
-            self._cond.notify_all()
-        return done
+        if not done:
+            if self._layers_done:
+                self._cond.notify_all()
+            return None
+        self._settled = True
+        self._elapsed = time.monotonic() - self._started
+        return self._status(settled=True)
 
-    def _after(self, retired: list[Task], finished: bool) -> None:
+    def _publish(self) -> None:
+        if self._settled and self._reported and self._unreleased == 0 and not self._finished:
+            self._finished = True
+        self._cond.notify_all()
+
+    def _after(self, retired: list[Task], settled: TransferStatus | None) -> None:
+        """Outside the lock: release `retired`'s admission shares, report a just-settled
+        outcome, then publish it if nothing else is pending."""
         for task in retired:
             self._admission.release(task)
-        if finished:
-            self._on_finish(self)
+        if settled is not None:
+            self._on_finish(self, settled)
+        if not retired and settled is None:
+            return
+        with self._cond:
+            self._unreleased -= len(retired)
+            self._reported = self._reported or settled is not None
+            self._publish()
 
 
 def _timeout(transfer: Transfer) -> TransferFailure:
@@ -431,7 +465,7 @@ class Watchdog:
 
     def add(self, transfer: Transfer) -> None:
         with self._lock:
-            if not transfer.finished:
+            if not transfer.settled:
                 self._live[transfer.transfer_id] = transfer
 
     def discard(self, transfer: Transfer) -> None:

@@ -47,6 +47,7 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
+    TransferStatus,
     TransportStats,
 )
 from fleetserve.engine.kv_transfer.transport.handle import (
@@ -344,9 +345,8 @@ class MooncakeTransport(KVTransport):
             )
         return None
 
-    def _finished(self, transfer: Transfer) -> None:
+    def _finished(self, transfer: Transfer, status: TransferStatus) -> None:
         self._watchdog.discard(transfer)
-        status = transfer.poll()
         with self._lock:
             self._in_flight[transfer.peer_engine_id] -= 1
             if not self._in_flight[transfer.peer_engine_id]:

@@ -36,6 +36,7 @@ from fleetserve.engine.kv_transfer.transport.base import (
     KVTransport,
     PushNotification,
     TransferFailure,
+    TransferStatus,
     TransportStats,
 )
 from fleetserve.engine.kv_transfer.transport.handle import (
@@ -254,7 +255,7 @@ class TcpTransport(KVTransport):
             same_host=arenas is not None,
             deadline=deadline,
             admission=self._admission,
-            on_finish=lambda t: self._finished(t, link),
+            on_finish=lambda t, status: self._finished(t, status, link),
         )
         if arenas is not None:
             self._add_same_host_tasks(
@@ -367,9 +368,8 @@ class TcpTransport(KVTransport):
             link.in_flight += 1
             return link
 
-    def _finished(self, transfer: Transfer, link: PeerLink) -> None:
+    def _finished(self, transfer: Transfer, status: TransferStatus, link: PeerLink) -> None:
         self._watchdog.discard(transfer)
-        status = transfer.poll()
         with self._lock:
             link.in_flight -= 1
             self._tally.record(status)
