@@ -33,12 +33,17 @@ def _implementation(
     import torch
     import torch.nn.functional as F
 
-    from fleetserve.engine.layers.gemm import onednn_linear, small_gemm_pack, small_linear
+    from fleetserve.engine.layers.gemm import (
+        onednn_linear,
+        onednn_supports,
+        small_gemm_pack,
+        small_linear,
+    )
     from fleetserve.kernels.cpu.ops import small_gemm_supported
 
     if name == "mkl":
         return (lambda w: w), (lambda x, w: F.linear(x, w))
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_supports(dtype):
         return None
     if name == "onednn-plain":
         return (lambda w: w), (lambda x, w: onednn_linear(x, w))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetserve.engine.layers.gemm import onednn_linear
+from fleetserve.engine.layers.gemm import onednn_linear, onednn_supports
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,7 @@ def measure_roofline(
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     mm_s = _best_seconds(lambda: a @ b, device, reps)
-    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
-    if onednn and dtype in (torch.float32, torch.bfloat16):
+    if device.type == "cpu" and onednn_supports(dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
         mm_s = min(mm_s, _best_seconds(lambda: onednn_linear(a, packed), device, reps))
     return Roofline(bandwidth_gb_s=2 * numel * 4 / copy_s / 1e9, gemm_gflop_s=2 * n**3 / mm_s / 1e9)

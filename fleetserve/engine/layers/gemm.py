@@ -51,6 +51,7 @@ __all__ = [
     "DenseGemm",
     "onednn_linear",
     "onednn_rows",
+    "onednn_supports",
     "small_gemm_pack",
     "small_linear",
     "warm_up_gemms",
@@ -82,6 +83,15 @@ prepacked against the kernel, on the Intel box: 1 row 28.0 / 22.0 ms, 16 rows 40
 32 rows 54.0 / 38.7, 64 rows 84.5 / 68.5, 128 rows 133.8 / 130.9. With the weights in cache the
 kernel's simple blocking loses sooner: level with oneDNN prepacked at 65 rows, 5% behind oneDNN
 on the plain weight at 128, 1.3-1.4x slower at 512-2048."""
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs `dtype` on this CPU: float32 wherever torch has oneDNN;
+    bfloat16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. Without them (AVX2 CPUs such as
+    AMD's Zen 2 and 3) oneDNN refuses to reorder a bfloat16 weight, so `F.linear` computes it."""
+    if dtype not in _ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def onednn_rows(rows: int) -> int:
@@ -151,11 +161,7 @@ class DenseGemm:
     Chosen once per layer, so every layer of an engine computes the same way."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.uses_onednn = (
-            device.type == "cpu"
-            and dtype in _ONEDNN_DTYPES
-            and torch.backends.mkldnn.is_available()
-        )
+        self.uses_onednn = device.type == "cpu" and onednn_supports(dtype)
         self.uses_small_gemm = (
             self.uses_onednn and read_env().cpu_small_gemm != 0 and small_gemm_supported(dtype)
         )

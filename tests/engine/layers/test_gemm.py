@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fleetserve.engine.layers import gemm as gemm_module
 from fleetserve.engine.layers.gemm import (
     SMALL_GEMM_MAX_ROWS,
     DenseGemm,
@@ -41,11 +42,30 @@ BF16_MAX_ROWS = SMALL_GEMM_MAX_ROWS[torch.bfloat16]
 @needs_onednn
 def test_cpu_float32_and_bfloat16_use_onednn_and_others_do_not() -> None:
     assert DenseGemm(CPU, torch.float32).uses_onednn
-    assert DenseGemm(CPU, torch.bfloat16).uses_onednn
+    # oneDNN's bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; AVX2 CPUs compute it in F.linear.
+    bf16_here = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert DenseGemm(CPU, torch.bfloat16).uses_onednn is bf16_here
     assert not DenseGemm(CPU, torch.float16).uses_onednn
     meta = DenseGemm(torch.device("meta"), torch.float32)
     meta.prepack(torch.empty(4, 4, device="meta"))
     assert not meta.uses_onednn and not meta.prepacked
+
+
+def test_bfloat16_without_onednn_support_computes_in_f_linear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU whose oneDNN cannot do bfloat16 (AVX2 only), a bfloat16 layer neither reorders
+    its weight for oneDNN (which raises there) nor packs it for a kernel: F.linear computes it."""
+    monkeypatch.setattr(gemm_module, "onednn_supports", lambda dtype: dtype == torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 576, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    x = torch.randn(5, 576, generator=gen).bfloat16()
+    gemm = DenseGemm(CPU, torch.bfloat16)
+    gemm.prepack(weight, bias)
+    assert not gemm.uses_onednn and not gemm.uses_small_gemm and not gemm.prepacked
+    assert torch.equal(gemm(x, weight, bias), F.linear(x, weight, bias))
+    assert DenseGemm(CPU, torch.float32).uses_onednn
 
 
 @needs_onednn
