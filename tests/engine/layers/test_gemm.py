@@ -5,6 +5,7 @@ every layer's weight."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fleetserve.engine.layers.gemm import (
     onednn_linear,
     small_gemm_pack,
     small_linear,
+    warm_up_gemms,
 )
 from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import Linear
@@ -52,7 +54,7 @@ def test_cpu_float32_and_bfloat16_use_onednn_and_others_do_not() -> None:
 
 
 def test_bfloat16_without_onednn_support_computes_in_f_linear(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On a CPU whose oneDNN cannot do bfloat16 (AVX2 only), a bfloat16 layer neither reorders
     its weight for oneDNN (which raises there) nor packs it for a kernel: F.linear computes it."""
@@ -66,6 +68,9 @@ def test_bfloat16_without_onednn_support_computes_in_f_linear(
     assert not gemm.uses_onednn and not gemm.uses_small_gemm and not gemm.prepacked
     assert torch.equal(gemm(x, weight, bias), F.linear(x, weight, bias))
     assert DenseGemm(CPU, torch.float32).uses_onednn
+    with caplog.at_level(logging.WARNING, logger=gemm_module.__name__):
+        warm_up_gemms([(gemm, 8)])
+    assert "--dtype float32 is faster" in caplog.text
 
 
 @needs_onednn
