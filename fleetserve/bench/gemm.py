@@ -5,7 +5,7 @@ built with seeded random weights in `--dtype` (float32 or bfloat16), every layer
 weights come from memory, as in a real step), and timed for each row count through each
 implementation in turn: `F.linear` on the plain weight (MKL in float32), oneDNN on the plain
 weight, oneDNN prepacked, and the dtype's small-row kernel where it runs
-(`fleetserve/kernels/cpu/small_gemm.cpp` in float32 on AVX-512, `small_gemm_bf16.cpp` in
+(`fleetserve/kernels/cpu/small_gemm.cpp` in float32 on AVX-512 or AVX2, `small_gemm_bf16.cpp` in
 bfloat16 on AMX). Each line prints the median step time, the GFLOP/s, the ratio to oneDNN
 prepacked, and the step's roofline measured in the same run: max(weight bytes / bandwidth,
 FLOPs / GEMM rate).
@@ -43,7 +43,7 @@ def _implementation(
 
     if name == "mkl":
         return (lambda w: w), (lambda x, w: F.linear(x, w))
-    if not onednn_supports(dtype):
+    if name in ("onednn-plain", "onednn") and not onednn_supports(dtype):
         return None
     if name == "onednn-plain":
         return (lambda w: w), (lambda x, w: onednn_linear(x, w))

@@ -25,7 +25,7 @@ read dominates) and nothing at a full chunked-prefill budget (a bucket).
 
 Decode steps are the exception. GEMMs of at most `SMALL_GEMM_MAX_ROWS[dtype]` rows run a
 small-row kernel that streams its own packing of the weight while it computes: in float32 on a
-CPU with AVX-512 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
+CPU with AVX-512 or AVX2 `fleetserve/kernels/cpu/small_gemm.cpp`, in bfloat16 on one with AMX-BF16
 `small_gemm_bf16.cpp` (oneDNN's kernels leave the memory idle while they compute: a batch-32
 SmolLM2 decode step's GEMMs took 53 ms with oneDNN, 38 ms with it in float32, and 21.4 against
 12.4 ms in bfloat16). Its packed copy takes the place of oneDNN's, so the weights still take
@@ -38,6 +38,7 @@ bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterable
 
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetserve.envs import read_env
-from fleetserve.kernels.cpu.ops import small_gemm_supported
+from fleetserve.kernels.cpu.ops import amx_gemm_supported, small_gemm_supported
 
 __all__ = [
     "DenseGemm",
@@ -128,8 +129,9 @@ def onednn_linear(
 
 
 def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] packed for `small_linear` in its dtype's layout (float32 or bfloat16)."""
-    if weight.dtype == torch.bfloat16:
+    """`weight` [out, in] packed for `small_linear` in its dtype's layout (float32, or bfloat16
+    for AMX tiles where they run, else in float32's layout)."""
+    if weight.dtype == torch.bfloat16 and amx_gemm_supported():
         packed: torch.Tensor = torch.ops.fleetserve_cpu.small_gemm_bf16_pack(weight)
     else:
         packed = torch.ops.fleetserve_cpu.small_gemm_pack(weight)
@@ -147,7 +149,7 @@ def small_linear(
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if flat.dtype == torch.bfloat16:
+    if packed.dim() == 4:  # AMX tiles' layout
         out = torch.ops.fleetserve_cpu.small_gemm_bf16(flat, packed, out_features, bias)
     else:
         out = torch.ops.fleetserve_cpu.small_gemm(flat, packed, out_features, bias)
@@ -162,14 +164,23 @@ class DenseGemm:
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.uses_onednn = device.type == "cpu" and onednn_supports(dtype)
-        self.slow_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and not self.uses_onednn
-        """Bfloat16 on a CPU whose oneDNN cannot run it: `F.linear` is 3-4x slower than in
-        float32 there (an AVX2 EPYC: 32 rows 6.0 against 1.7 ms, 2048 rows 317 against 75)."""
         self.uses_small_gemm = (
-            self.uses_onednn and read_env().cpu_small_gemm != 0 and small_gemm_supported(dtype)
+            device.type == "cpu"
+            and read_env().cpu_small_gemm != 0
+            and small_gemm_supported(dtype)
+            and (self.uses_onednn or dtype == torch.bfloat16)
         )
-        self.small_max_rows = SMALL_GEMM_MAX_ROWS.get(dtype, 0)
-        """The most rows the small-row kernel takes (more go to oneDNN)."""
+        self.small_max_rows = SMALL_GEMM_MAX_ROWS.get(dtype, 0) if self.uses_onednn else sys.maxsize
+        """The most rows the small-row kernel takes (more go to oneDNN). Every row count where
+        oneDNN cannot run the dtype (bfloat16 on AVX2: the kernel against torch's fallback)."""
+        self.slow_bf16 = (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and not (self.uses_onednn or self.uses_small_gemm)
+        )
+        """Bfloat16 on a CPU where neither oneDNN nor the kernel runs it: `F.linear` is 3-4x
+        slower than in float32 there (an AVX2 EPYC: 32 rows 6.0 against 1.7 ms, 2048 rows 317
+        against 75)."""
         self._packed: torch.Tensor | None = None
         """oneDNN's blocked weight (without the small-row kernel)."""
         self._small: torch.Tensor | None = None
@@ -185,16 +196,18 @@ class DenseGemm:
         """Pack `weight` for the small-row kernel or reorder it for oneDNN (no-op elsewhere);
         later calls must pass this weight, unchanged since (and `bias`, which `warm_up`
         computes with)."""
-        if not self.uses_onednn:
+        if not (self.uses_onednn or self.uses_small_gemm):
             return
         self._weight = weight.detach()
         self._bias = None if bias is None else bias.detach()
         if self.uses_small_gemm:
             self._small = small_gemm_pack(self._weight)
-        else:
+        elif self.uses_onednn:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight)
 
     def _onednn_weight(self) -> torch.Tensor | None:
+        if not self.uses_onednn:
+            return None
         return self._packed if self._packed is not None else self._weight
 
     def warm_key(self) -> tuple[object, ...] | None:

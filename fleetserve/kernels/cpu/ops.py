@@ -95,11 +95,21 @@ def elementwise_bf16_supported() -> bool:
 
 def small_gemm_supported(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the small-row GEMM runs here for `dtype`: the kernels built, and float32 on a CPU
-    with AVX-512 (`small_gemm.cpp`) or bfloat16 on one with AMX-BF16 (`small_gemm_bf16.cpp`)."""
+    with AVX-512 or AVX2 + FMA (`small_gemm.cpp`), bfloat16 on one with AMX-BF16
+    (`small_gemm_bf16.cpp`) or with AVX2 only (`small_gemm.cpp`, the weight widened as read)."""
     if not load_cpu_kernels().available:
         return False
     if dtype == torch.float32:
         return bool(torch.ops.fleetserve_cpu.small_gemm_supported())
     if dtype == torch.bfloat16:
-        return bool(torch.ops.fleetserve_cpu.small_gemm_bf16_supported())
+        return amx_gemm_supported() or bool(
+            torch.ops.fleetserve_cpu.small_gemm_widen_bf16_supported()
+        )
     return False
+
+
+def amx_gemm_supported() -> bool:
+    """Whether bfloat16 small-row GEMMs run on AMX tiles here (`small_gemm_bf16.cpp`)."""
+    return load_cpu_kernels().available and bool(
+        torch.ops.fleetserve_cpu.small_gemm_bf16_supported()
+    )
