@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -99,6 +99,36 @@ inline void dot16(const float* q, const T* k, int64_t token_stride, float* logit
   }
   _mm512_storeu_ps(logits, sum_lanes16(v));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// dot16's AVX2 counterpart, 8 key rows at a time: lane-wise products over D / 8 chunks, then the
+// 8 row sums folded together by two levels of hadd and one swap of 128-bit halves (11 shuffles
+// and adds for 8 sums where a horizontal sum per row is about 5 dependent operations each).
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_f32x8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// logits[0..7] = q · k_t for 8 float32 or bfloat16 key rows token_stride apart (D a multiple
+// of 8).
+template <int64_t D, typename T>
+inline void dot8(const float* q, const T* k, int64_t token_stride, float* logits) {
+  __m256 qv[D / 8], v[8];
+  for (int64_t c = 0; c < D / 8; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  for (int t = 0; t < 8; ++t) {
+    const T* kt = k + t * token_stride;
+    __m256 a = _mm256_mul_ps(qv[0], load_f32x8(kt));
+    for (int64_t c = 1; c < D / 8; ++c) a = _mm256_fmadd_ps(qv[c], load_f32x8(kt + 8 * c), a);
+    v[t] = a;
+  }
+  _mm256_storeu_ps(logits, sum_lanes8(v));
+}
 #endif
 
 // s[0..n) = softmax(s[0..n)) in place (n >= 1). With AVX-512 in 16-lane vectors, tails
@@ -148,12 +178,16 @@ inline void softmax_inplace(float* s, int64_t n) {
 #endif
 }
 
-// Whether attend_item computes its logits 16 key rows at a time (dot16).
+// Whether attend_item computes its logits several key rows at a time: 16 with AVX-512 (dot16),
+// 8 with AVX2 (dot8).
 template <typename T, int64_t kHeadSize>
-constexpr bool kDot16 =
+constexpr bool kDotRows =
 #if defined(__AVX512F__)
     (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && kHeadSize > 0 &&
     kHeadSize % 16 == 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+    (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && kHeadSize > 0 &&
+    kHeadSize % 8 == 0;
 #else
     false;
 #endif
@@ -198,11 +232,20 @@ void attend_item(const float* qf, const T* key_cache, const T* value_cache, int6
     }
     int64_t t = 0;
 #if defined(__AVX512F__)
-    if constexpr (kDot16<T, kHeadSize>) {
+    if constexpr (kDotRows<T, kHeadSize>) {
       for (; t + 16 <= n; t += 16) {
         for (int64_t g = 0; g < G; ++g) {
           dot16<kHeadSize>(q + g * D, kb + t * token_stride, token_stride,
                            logits + g * kv_len + start + t);
+        }
+      }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kDotRows<T, kHeadSize>) {
+      for (; t + 8 <= n; t += 8) {
+        for (int64_t g = 0; g < G; ++g) {
+          dot8<kHeadSize>(q + g * D, kb + t * token_stride, token_stride,
+                          logits + g * kv_len + start + t);
         }
       }
     }
