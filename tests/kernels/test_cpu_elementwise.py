@@ -16,6 +16,7 @@ import torch
 from fleetserve.kernels.cpu import ops
 from fleetserve.kernels.cpu.build import load_cpu_kernels
 from fleetserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from tests.isa import isa_skipif
 
 pytestmark = pytest.mark.skipif(
     not load_cpu_kernels().available, reason=f"no CPU kernels: {load_cpu_kernels().error}"
@@ -81,7 +82,7 @@ def test_silu_and_mul_equals_the_reference_and_stays_finite_at_the_extremes() ->
     torch.testing.assert_close(out, silu_and_mul_ref(x), **ULPS)
 
 
-needs_bf16 = pytest.mark.skipif(
+needs_bf16 = isa_skipif(
     not ops.elementwise_bf16_supported(), reason="bfloat16 kernels need AVX-512"
 )
 # One bfloat16 ulp (8 significant bits); the absolute part for SiLU far below zero, where the

@@ -1,5 +1,5 @@
 """The dense GEMM: oneDNN on the CPU for float32/bfloat16 (plain or prepacked weights) and the
-small-row kernels for decode-sized GEMMs (float32 on AVX-512, bfloat16 on AMX), each equal to
+small-row kernels for decode-sized GEMMs (float32 on AVX-512 or AVX2, bfloat16 on AMX), each equal to
 the float64 product to its dtype's precision; layers compute with it, and the loader prepacks
 every layer's weight."""
 
@@ -25,18 +25,27 @@ from fleetserve.engine.layers.layer_context import LayerContext
 from fleetserve.engine.layers.linear import Linear
 from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
 from fleetserve.engine.quantization.method import UnquantizedLinearMethod
-from fleetserve.kernels.cpu.ops import small_gemm_supported
+from fleetserve.kernels.cpu.ops import amx_gemm_supported, small_gemm_supported
+from tests.isa import isa_skipif
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
 )
-needs_small_gemm = pytest.mark.skipif(
-    not small_gemm_supported(), reason="the small-row GEMM needs the CPU kernels and AVX-512"
+needs_small_gemm = isa_skipif(
+    not small_gemm_supported(),
+    reason="the small-row GEMM needs the CPU kernels and AVX-512 or AVX2",
 )
-needs_small_gemm_bf16 = pytest.mark.skipif(
+needs_small_gemm_bf16 = isa_skipif(
     not small_gemm_supported(torch.bfloat16),
-    reason="the bfloat16 small-row GEMM needs the CPU kernels and AMX-BF16",
+    reason="the bfloat16 small-row GEMM needs the CPU kernels and AMX-BF16 or AVX2 only",
+)
+needs_amx = isa_skipif(
+    not amx_gemm_supported(), reason="the AMX bfloat16 GEMM needs the CPU kernels and AMX-BF16"
+)
+needs_widened_bf16 = isa_skipif(
+    not (small_gemm_supported(torch.bfloat16) and not amx_gemm_supported()),
+    reason="the widened bfloat16 GEMM runs on AVX2 CPUs only (AVX-512 ones have oneDNN's)",
 )
 BF16_MAX_ROWS = SMALL_GEMM_MAX_ROWS[torch.bfloat16]
 
@@ -56,9 +65,11 @@ def test_cpu_float32_and_bfloat16_use_onednn_and_others_do_not() -> None:
 def test_bfloat16_without_onednn_support_computes_in_f_linear(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On a CPU whose oneDNN cannot do bfloat16 (AVX2 only), a bfloat16 layer neither reorders
-    its weight for oneDNN (which raises there) nor packs it for a kernel: F.linear computes it."""
+    """On a CPU where neither oneDNN nor a kernel computes bfloat16 (AVX2 without the CPU
+    kernels), a bfloat16 layer neither reorders its weight for oneDNN (which raises there) nor
+    packs it: F.linear computes it, and the start-up says it is slow."""
     monkeypatch.setattr(gemm_module, "onednn_supports", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(gemm_module, "small_gemm_supported", lambda dtype: dtype == torch.float32)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 576, generator=gen).bfloat16()
     bias = torch.randn(300, generator=gen).bfloat16()
@@ -173,9 +184,10 @@ def test_the_bfloat16_small_row_kernel_is_the_product_whatever_rows_are_beside(
     # Float32 sums rounded once to bfloat16: within one bfloat16 ulp of the exact product.
     oracle = _bf16_product(x, weight, bias)
     torch.testing.assert_close(whole.float(), oracle.float(), rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(whole, onednn_linear(x, weight, bias), rtol=2**-7, atol=1e-3)
-    # The same chain of AMX steps for each output: alone, in a 16-row tile, in any 32-row
-    # chunk, a row comes out the same bits.
+    if gemm_module.onednn_supports(torch.bfloat16):
+        torch.testing.assert_close(whole, onednn_linear(x, weight, bias), rtol=2**-7, atol=1e-3)
+    # The same chain of steps (AMX tiles, or float32 FMAs) for each output: alone, in a 16-row
+    # tile, in any 32-row chunk, a row comes out the same bits.
     for start, rows in [(0, 1), (5, 7), (13, 16), (40, 33), (100, 50)]:
         part = small_linear(x[start : start + rows], packed, out_features, bias)
         assert torch.equal(part, whole[start : start + rows])
@@ -186,7 +198,7 @@ def test_the_bfloat16_small_row_kernel_is_the_product_whatever_rows_are_beside(
     )
 
 
-@needs_small_gemm_bf16
+@needs_amx
 def test_bfloat16_decode_sized_gemms_take_the_amx_kernel_beside_onednn_on_the_same_threads() -> (
     None
 ):
@@ -209,7 +221,7 @@ def test_bfloat16_decode_sized_gemms_take_the_amx_kernel_beside_onednn_on_the_sa
             assert torch.equal(gemm(long_x, weight, bias), long_alone)
 
 
-@needs_small_gemm_bf16
+@needs_amx
 def test_bfloat16_small_gemm_rejects_what_it_was_not_packed_for() -> None:
     packed = small_gemm_pack(torch.zeros(40, 64).bfloat16())
     kernel = torch.ops.fleetserve_cpu.small_gemm_bf16
@@ -221,6 +233,36 @@ def test_bfloat16_small_gemm_rejects_what_it_was_not_packed_for() -> None:
         kernel(torch.zeros(2, 64), packed, 40, None)
     with pytest.raises(RuntimeError, match="small_gemm_bf16_pack"):
         kernel(torch.zeros(2, 64).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), 40, None)
+
+
+@needs_widened_bf16
+def test_bfloat16_on_avx2_is_the_float32_kernel_rounded_once_at_every_row_count() -> None:
+    """Where oneDNN has no bfloat16 (AVX2), the float32 kernel reads the bfloat16 weight widened:
+    its float32 sum plus bias, rounded to bfloat16 once, for every row count (torch's fallback
+    GEMM is the only alternative there, 3-4x slower than float32)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(300, 576, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    gemm = DenseGemm(CPU, torch.bfloat16)
+    assert gemm.uses_small_gemm and not gemm.uses_onednn and not gemm.slow_bf16
+    gemm.prepack(weight, bias)
+    packed = small_gemm_pack(weight)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (10, 576, 32)
+    packed32 = torch.ops.fleetserve_cpu.small_gemm_pack(weight.float())
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        expected = small_linear(x.float(), packed32, 300, bias.float()).bfloat16()
+        assert torch.equal(gemm(x, weight, bias), expected)
+        assert torch.equal(
+            small_linear(x, packed, 300), small_linear(x.float(), packed32, 300).bfloat16()
+        )
+    assert warm_up_gemms([(gemm, 512)]) == 0  # nothing goes to oneDNN
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        torch.ops.fleetserve_cpu.small_gemm(torch.zeros(2, 576), packed, 300, None)
+    with pytest.raises(RuntimeError, match="bias must have x's dtype"):
+        torch.ops.fleetserve_cpu.small_gemm(
+            torch.zeros(2, 576).bfloat16(), packed, 300, bias.float()
+        )
 
 
 @needs_onednn
