@@ -192,9 +192,43 @@ inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// One or two rows: the panel's 32 columns in one pass, four accumulators a row, so that enough
+// independent FMA chains are in flight (two a row leave the FMA latency exposed: a bfloat16 row
+// took as long as a float32 one, for half the bytes). Each output's chain is the same.
+template <int R, typename W>
+void narrow_row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* acc,
+                      bool first, const char* prefetch, int64_t prefetch_lines) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) {
+      a[r][c] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + 8 * c);
+    }
+  }
+  const int64_t per_step = prefetch_lines > len ? 2 : 1;
+  for (int64_t i = 0; i < len; ++i) {
+    if (i * per_step < prefetch_lines) {
+      _mm_prefetch(prefetch + i * per_step * 64, _MM_HINT_T1);
+      if (per_step == 2) _mm_prefetch(prefetch + i * per_step * 64 + 64, _MM_HINT_T1);
+    }
+    __m256 w[4];
+    for (int c = 0; c < 4; ++c) w[c] = load8(panel + i * kPanel + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm256_fmadd_ps(b, w[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(acc + r * kPanel + 8 * c, a[r][c]);
+  }
+}
+
 template <int R, typename W>
 void row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* acc, bool first,
                const char* prefetch, int64_t prefetch_lines) {
+  if constexpr (R <= 2) {
+    narrow_row_block<R, W>(x, ldx, panel, len, acc, first, prefetch, prefetch_lines);
+    return;
+  }
   int64_t line = 0;
   for (int64_t half = 0; half < kPanel; half += 16) {
     __m256 lo[R], hi[R];
