@@ -3,16 +3,20 @@
 // makes three to six (every op a full read and write of the activations, and a dispatch).
 //
 // Registered in the `fleetserve_cpu` namespace beside paged_attention.cpp (one library, built by
-// fleetserve/kernels/cpu/build.py). Float32, and bfloat16 on AVX-512 CPUs; float16 keeps the
-// torch ops (fleetserve/kernels/cpu/ops.py chooses). The arithmetic follows the engine's torch
-// code (fleetserve/kernels/reference.py); float32 results differ from it by a few ulp at most:
-// the order of RMSNorm's sum of squares, the exponential (a polynomial here, about one ulp), and
+// fleetserve/kernels/cpu/build.py). Float32 and bfloat16; float16 keeps the torch ops
+// (fleetserve/kernels/cpu/ops.py chooses). The arithmetic follows the engine's torch code
+// (fleetserve/kernels/reference.py); float32 results differ from it by a few ulp at most: the
+// order of RMSNorm's sum of squares, the exponential (a polynomial here, about one ulp), and
 // multiply-adds fused by the compiler.
 //
 // In bfloat16 the kernels compute in float32 and round to bfloat16 (to nearest even, as torch's
 // conversion) exactly where torch's bfloat16 ops round: after each op of the reference. So
 // rotary and the residual add give torch's bits, and RMSNorm and SiLU differ from it only where
 // the few-ulp float32 difference above crosses a bfloat16 rounding boundary (one bfloat16 ulp).
+// Each kernel is written once for both dtypes, in plain loops the compiler vectorizes for the
+// CPU it is built on (AVX2 CPUs among them). AVX-512 builds keep the hand-written 16-lane
+// bfloat16 kernels (masked tails, the same rounding) that were measured on the project's Intel
+// box; the plain bfloat16 loops have not been timed against them there.
 //
 // Work is split over rows with at::parallel_for (torch's pool); the grain keeps small batches
 // (decode steps) on one thread, where waking the pool costs more than the work. A row is always
@@ -29,19 +33,12 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 16;
-
-bool bf16_supported() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
@@ -62,12 +59,31 @@ void check_same_dtype(std::initializer_list<const at::Tensor*> tensors) {
     TORCH_CHECK(t->scalar_type() == dtype, "every tensor must have one dtype, got ", dtype,
                 " and ", t->scalar_type());
   }
-  TORCH_CHECK(dtype != at::kBFloat16 || bf16_supported(),
-              "bfloat16 needs a CPU with AVX-512 (check elementwise_bf16_supported() first)");
+}
+
+using bf16 = at::BFloat16;
+
+// A T value as float32 (bfloat16 widens exactly).
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return fleetserve_cpu::widen1(v); }
+
+// v as a T: the float32 value, or rounded to bfloat16.
+template <typename T>
+T narrow(float v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return fleetserve_cpu::narrow1(v);
+  } else {
+    return v;
+  }
+}
+
+// The value a torch op of dtype T hands on: v itself in float32, rounded in bfloat16.
+template <typename T>
+float rounded(float v) {
+  return widen(narrow<T>(v));
 }
 
 #if defined(__AVX512F__)
-using bf16 = at::BFloat16;
 using fleetserve_cpu::lanes16;
 using fleetserve_cpu::narrow16;
 using fleetserve_cpu::round16;
@@ -75,15 +91,18 @@ using fleetserve_cpu::widen16;
 #endif
 
 // out = weight * (v * rsqrt(mean(v^2) + eps)) per row, v = x, or x + residual (then also written
-// to `summed`).
+// to `summed`). In bfloat16: x + residual rounded (torch adds in bfloat16), the sum of squares in
+// float32, the normalised value rounded before the weight multiplies it (as HF's RMSNorm casts it
+// back to the input dtype), and the product rounded.
+template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                    double eps, at::Tensor& out, at::Tensor* summed) {
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const float* xp = x.const_data_ptr<float>();
-  const float* rp = residual ? residual->const_data_ptr<float>() : nullptr;
-  const float* wp = weight.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  float* sp = summed ? summed->mutable_data_ptr<float>() : nullptr;
+  const T* xp = x.const_data_ptr<T>();
+  const T* rp = residual ? residual->const_data_ptr<T>() : nullptr;
+  const T* wp = weight.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  T* sp = summed ? summed->mutable_data_ptr<T>() : nullptr;
   const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
   const int64_t os = out.stride(0), ss = summed ? summed->stride(0) : 0;
   const float feps = static_cast<float>(eps);
@@ -91,35 +110,34 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
     std::vector<float> row(hidden);
     float* v = row.data();
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * xs;
+      const T* xr = xp + r * xs;
       if (rp != nullptr) {
-        const float* rr = rp + r * rs;
-        float* sr = sp + r * ss;
+        const T* rr = rp + r * rs;
+        T* sr = sp + r * ss;
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) {
-          v[i] = sr[i] = xr[i] + rr[i];
+          v[i] = rounded<T>(widen(xr[i]) + widen(rr[i]));
+          sr[i] = narrow<T>(v[i]);
         }
       } else {
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) v[i] = xr[i];
+        for (int64_t i = 0; i < hidden; ++i) v[i] = widen(xr[i]);
       }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < hidden; ++i) sum += v[i] * v[i];
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + feps);
-      float* o = op + r * os;
+      T* o = op + r * os;
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) {
-        o[i] = wp[i] * (v[i] * inv);
+        o[i] = narrow<T>(widen(wp[i]) * rounded<T>(v[i] * inv));
       }
     }
   });
 }
 
 #if defined(__AVX512F__)
-// rms_norm_impl in bfloat16: x + residual rounded (torch adds in bfloat16), the sum of squares in
-// float32, the normalised value rounded before the weight multiplies it (as HF's RMSNorm casts it
-// back to the input dtype), and the product rounded.
+// rms_norm_impl<bf16> in 16-lane vectors, the tails masked.
 void rms_norm_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                    double eps, at::Tensor& out, at::Tensor* summed) {
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -160,13 +178,15 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Te
 
 void rms_norm_any(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                   double eps, at::Tensor& out, at::Tensor* summed) {
-#if defined(__AVX512F__)
   if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512F__)
     rms_norm_bf16(x, residual, weight, eps, out, summed);
+#else
+    rms_norm_impl<bf16>(x, residual, weight, eps, out, summed);
+#endif
     return;
   }
-#endif
-  rms_norm_impl(x, residual, weight, eps, out, summed);
+  rms_norm_impl<float>(x, residual, weight, eps, out, summed);
 }
 
 void rms_norm_checks(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
@@ -197,22 +217,26 @@ void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
 
 // Neox rotary of x [T, heads, D] in place: the pairs (i, i + D/2) of each head rotate by the
 // angle of their token's position. As the engine's torch code: x * cos + rotate_half(x) * sin,
-// with cos/sin tables [max_position, D] (the halves duplicated).
-void rotate_rows(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0, int64_t s1,
-                 const int64_t* pos, const float* cos_cache, const float* sin_cache, int64_t cs) {
+// with cos/sin tables [max_position, D] (the halves duplicated). In bfloat16, x * cos and
+// rotate_half(x) * sin are each rounded, then their sum, as torch's ops round. Every product of
+// two bfloat16 values is exact in float32, so these are torch's bits.
+template <typename T>
+void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0, int64_t s1,
+                 const int64_t* pos, const T* cos_cache, const T* sin_cache, int64_t cs) {
   const int64_t half = D / 2;
   at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos_cache + pos[t] * cs;
-      const float* s = sin_cache + pos[t] * cs;
+      const T* c = cos_cache + pos[t] * cs;
+      const T* s = sin_cache + pos[t] * cs;
       for (int64_t h = 0; h < heads; ++h) {
-        float* a = x + t * s0 + h * s1;
-        float* b = a + half;
+        T* a = x + t * s0 + h * s1;
+        T* b = a + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = b[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          b[i] = x2 * c[half + i] + x1 * s[half + i];
+          const float x1 = widen(a[i]), x2 = widen(b[i]);
+          a[i] = narrow<T>(rounded<T>(x1 * widen(c[i])) - rounded<T>(x2 * widen(s[i])));
+          b[i] = narrow<T>(rounded<T>(x2 * widen(c[half + i])) +
+                           rounded<T>(x1 * widen(s[half + i])));
         }
       }
     }
@@ -220,9 +244,7 @@ void rotate_rows(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0,
 }
 
 #if defined(__AVX512F__)
-// rotate_rows in bfloat16, rounding where torch's ops do: x * cos and rotate_half(x) * sin each
-// rounded, then their sum. Every product of two bfloat16 values is exact in float32, so these are
-// torch's bits.
+// rotate_rows<bf16> in 16-lane vectors, the tails masked.
 void rotate_rows_bf16(bf16* x, int64_t tokens, int64_t heads, int64_t D, int64_t s0, int64_t s1,
                       const int64_t* pos, const bf16* cos_cache, const bf16* sin_cache,
                       int64_t cs) {
@@ -251,6 +273,25 @@ void rotate_rows_bf16(bf16* x, int64_t tokens, int64_t heads, int64_t D, int64_t
 }
 #endif
 
+template <typename T>
+void rotate_both(int64_t tokens, const int64_t* pos, at::Tensor& query, at::Tensor& key,
+                 const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  for (at::Tensor* t : {&query, &key}) {
+    T* x = t->mutable_data_ptr<T>();
+    const T* c = cos_cache.const_data_ptr<T>();
+    const T* s = sin_cache.const_data_ptr<T>();
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      rotate_rows_bf16(x, tokens, t->size(1), t->size(2), t->stride(0), t->stride(1), pos, c, s,
+                       cos_cache.stride(0));
+      continue;
+    }
+#endif
+    rotate_rows<T>(x, tokens, t->size(1), t->size(2), t->stride(0), t->stride(1), pos, c, s,
+                   cos_cache.stride(0));
+  }
+}
+
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
@@ -274,36 +315,28 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "position ", pos[t],
                 " is outside the cos/sin tables");
   }
-#if defined(__AVX512F__)
   if (query.scalar_type() == at::kBFloat16) {
-    for (at::Tensor* t : {&query, &key}) {
-      rotate_rows_bf16(t->mutable_data_ptr<bf16>(), tokens, t->size(1), D, t->stride(0),
-                       t->stride(1), pos, cos_cache.const_data_ptr<bf16>(),
-                       sin_cache.const_data_ptr<bf16>(), cos_cache.stride(0));
-    }
-    return;
+    rotate_both<bf16>(tokens, pos, query, key, cos_cache, sin_cache);
+  } else {
+    rotate_both<float>(tokens, pos, query, key, cos_cache, sin_cache);
   }
-#endif
-  const float* c = cos_cache.const_data_ptr<float>();
-  const float* s = sin_cache.const_data_ptr<float>();
-  rotate_rows(query.mutable_data_ptr<float>(), tokens, query.size(1), D, query.stride(0),
-              query.stride(1), pos, c, s, cos_cache.stride(0));
-  rotate_rows(key.mutable_data_ptr<float>(), tokens, key.size(1), D, key.stride(0), key.stride(1),
-              pos, c, s, cos_cache.stride(0));
 }
 
-// out [rows, d] = silu(x[:, :d]) * x[:, d:], silu(g) = g / (1 + exp(-g)).
+// out [rows, d] = silu(x[:, :d]) * x[:, d:], silu(g) = g / (1 + exp(-g)). In bfloat16, silu(g)
+// rounded (torch's F.silu returns bfloat16), then the product rounded.
+template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1) / 2;
-  const float* xp = x.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = xp + r * xs;
-      const float* u = g + d;
-      float* o = op + r * os;
+      const T* g = xp + r * xs;
+      const T* u = g + d;
+      T* o = op + r * os;
 #if defined(__AVX512F__)
+      static_assert(std::is_same_v<T, float>, "AVX-512 builds take bfloat16 in silu_and_mul_bf16");
       // 16 lanes, the tail masked: every element takes the same instructions wherever it lies,
       // and the loop runs twice as wide as the one GCC makes of the scalar form.
       const auto silu_mul16 = [](__m512 gv, __m512 uv) {
@@ -323,7 +356,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #else
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
-        o[i] = g[i] / (1.f + fleetserve_cpu::exp_clamped(-g[i])) * u[i];
+        const float gi = widen(g[i]);
+        o[i] = narrow<T>(rounded<T>(gi / (1.f + fleetserve_cpu::exp_clamped(-gi))) * widen(u[i]));
       }
 #endif
     }
@@ -331,8 +365,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 }
 
 #if defined(__AVX512F__)
-// silu_and_mul_impl in bfloat16: silu(g) rounded (torch's F.silu returns bfloat16), then the
-// product rounded.
+// silu_and_mul_impl<bf16> in 16-lane vectors, the tails masked.
 void silu_and_mul_bf16(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   const bf16* xp = x.const_data_ptr<bf16>();
@@ -359,19 +392,20 @@ void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
               "x must be [rows, 2d] and out [rows, d]");
   check_same_dtype({&x, &out});
-#if defined(__AVX512F__)
   if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512F__)
     silu_and_mul_bf16(x, out);
+#else
+    silu_and_mul_impl<bf16>(x, out);
+#endif
     return;
   }
-#endif
-  silu_and_mul_impl(x, out);
+  silu_and_mul_impl<float>(x, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fleetserve_cpu, m) {
-  m.def("elementwise_bf16_supported() -> bool", &bf16_supported);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def(
       "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out, "

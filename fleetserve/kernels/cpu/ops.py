@@ -1,7 +1,7 @@
 """The CPU implementations of the switchable custom ops (`fleetserve.kernels.custom_ops`).
 
 `custom_ops` registers these for CPU tensors: each runs the fused C++ kernel of
-`elementwise.cpp` where it applies (float32, or bfloat16 on AVX-512 CPUs; contiguous rows;
+`elementwise.cpp` where it applies (float32 or bfloat16; contiguous rows;
 whole-head neox rotary) and the op's torch reference (`fleetserve.kernels.reference`)
 otherwise: float16, partial or gpt-j rotary, and a machine where the kernels could not be
 built. Either way the contract is the op's.
@@ -9,15 +9,12 @@ built. Either way the contract is the op's.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from fleetserve.kernels.cpu.build import load_cpu_kernels
 from fleetserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 __all__ = [
-    "elementwise_bf16_supported",
     "fused_add_rms_norm",
     "rms_norm",
     "rotary_embedding",
@@ -27,14 +24,12 @@ __all__ = [
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ kernels take these tensors: one dtype, float32 or (on AVX-512 CPUs)
-    bfloat16, with contiguous rows, kernels built."""
+    """Whether the C++ kernels take these tensors: one dtype, float32 or bfloat16, with
+    contiguous rows, kernels built."""
     dtype = tensors[0].dtype
     if not all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors):
         return False
-    if dtype == torch.float32:
-        return load_cpu_kernels().available
-    return dtype == torch.bfloat16 and elementwise_bf16_supported()
+    return dtype in (torch.float32, torch.bfloat16) and load_cpu_kernels().available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,14 +78,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     torch.ops.fleetserve_cpu.silu_and_mul(x, out)
     return out
-
-
-@cache
-def elementwise_bf16_supported() -> bool:
-    """Whether the elementwise kernels take bfloat16 here: the kernels built, with AVX-512."""
-    return load_cpu_kernels().available and bool(
-        torch.ops.fleetserve_cpu.elementwise_bf16_supported()
-    )
 
 
 def small_gemm_supported(dtype: torch.dtype = torch.float32) -> bool:

@@ -110,10 +110,7 @@ inline __m256 sum_lanes8(const __m256* v) {
 }
 
 inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_f32x8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline __m256 load_f32x8(const c10::BFloat16* p) { return fleetserve_cpu::widen8(p); }
 
 // logits[0..7] = q · k_t for 8 float32 or bfloat16 key rows token_stride apart (D a multiple
 // of 8).

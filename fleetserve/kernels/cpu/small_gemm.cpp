@@ -36,12 +36,16 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <strings.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -137,10 +141,12 @@ at::Tensor pack(const at::Tensor& weight) {
 #if defined(__AVX512F__)
 // acc[R rows][32] (+)= x[R rows][k0 : k0 + len] · panel[k0 : k0 + len][32]; while at it, prefetch
 // `prefetch_lines` cache lines from `prefetch` into L2, one or two a k step.
+// Float32 weights only: bfloat16 goes to oneDNN or AMX on these CPUs.
 constexpr int kMaxBlockRows = 12;
-template <int R>
-void row_block(const float* x, int64_t ldx, const float* panel, int64_t len, float* acc,
-               bool first, const char* prefetch, int64_t prefetch_lines) {
+template <int R, typename W>
+void row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* acc, bool first,
+               const char* prefetch, int64_t prefetch_lines) {
+  static_assert(std::is_same_v<W, float>, "the AVX-512 row blocks take float32 weights");
   __m512 lo[R], hi[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -169,17 +175,6 @@ void row_block(const float* x, int64_t ldx, const float* panel, int64_t len, flo
   }
 }
 
-template <typename W>
-using RowBlockFn = void (*)(const float*, int64_t, const W*, int64_t, float*, bool, const char*,
-                            int64_t);
-template <typename W>
-RowBlockFn<W> row_block_fn(int r) {
-  constexpr RowBlockFn<float> kRowBlocks[kMaxBlockRows + 1] = {
-      nullptr,       row_block<1>,  row_block<2>, row_block<3>, row_block<4>,
-      row_block<5>,  row_block<6>,  row_block<7>, row_block<8>, row_block<9>,
-      row_block<10>, row_block<11>, row_block<12>};
-  return kRowBlocks[r];
-}
 #elif defined(FLEETSERVE_SMALL_GEMM)
 // The same contract in AVX2: the panel's two 16-column halves one after the other, each over the
 // whole K block (both halves of the block stay in L1), prefetching one line a k step of either.
@@ -187,10 +182,7 @@ constexpr int kMaxBlockRows = 6;
 
 // 8 weights as float32: bfloat16 widens exactly (it is a float32's high half).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline __m256 load8(const bf16* p) { return fleetserve_cpu::widen8(p); }
 
 // One or two rows: the panel's 32 columns in one pass, four accumulators a row, so that enough
 // independent FMA chains are in flight (two a row leave the FMA latency exposed: a bfloat16 row
@@ -255,20 +247,24 @@ void row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* 
     }
   }
 }
+#endif
+
+#if defined(FLEETSERVE_SMALL_GEMM)
 
 template <typename W>
 using RowBlockFn = void (*)(const float*, int64_t, const W*, int64_t, float*, bool, const char*,
                             int64_t);
-template <typename W>
-RowBlockFn<W> row_block_fn(int r) {
-  constexpr RowBlockFn<W> kRowBlocks[kMaxBlockRows + 1] = {
-      nullptr,         row_block<1, W>, row_block<2, W>, row_block<3, W>,
-      row_block<4, W>, row_block<5, W>, row_block<6, W>};
+
+// row_block<r, W> for r = 1 .. kMaxBlockRows, indexed by r (entry 0 unused).
+template <typename W, int... R>
+RowBlockFn<W> row_block_fn(int r, std::integer_sequence<int, R...>) {
+  static constexpr RowBlockFn<W> kRowBlocks[] = {nullptr, row_block<R + 1, W>...};
   return kRowBlocks[r];
 }
-#endif
-
-#if defined(FLEETSERVE_SMALL_GEMM)
+template <typename W>
+RowBlockFn<W> row_block_fn(int r) {
+  return row_block_fn<W>(r, std::make_integer_sequence<int, kMaxBlockRows>{});
+}
 
 // One panel's 32 columns of `rows` rows starting at x (row stride ldx) into out (row stride ldo),
 // the weight, bias and out of type W (each sum rounded to W once, after the bias).
