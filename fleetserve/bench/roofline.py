@@ -30,7 +30,8 @@ class Roofline:
     """Copy bandwidth (bytes read + written per second), 1e9 units."""
     gemm_gflop_s: float
     """Square-matmul rate in the engine's dtype, 1e9 FLOP/s: the faster of torch's `mm` and, on
-    the CPU, oneDNN with the weight prepacked (`fleetserve.engine.layers.gemm`)."""
+    the CPU, oneDNN with the weight prepacked (`fleetserve.engine.layers.gemm`); where oneDNN
+    cannot compute the dtype and the small-row kernel can (bfloat16 on AVX2), that kernel."""
 
     def step_seconds(self, weight_bytes: int, weight_count: int, tokens: int) -> float:
         """The fastest possible step that reads `weight_bytes` once and multiplies `tokens` rows
@@ -94,13 +95,15 @@ def measure_roofline(
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    mm_s = _best_seconds(lambda: a @ b, device, reps)
+    if device.type == "cpu" and not onednn_supports(dtype) and small_gemm_supported(dtype):
+        # bfloat16 on AVX2: the FMA kernel widening bfloat16 is what computes it. Torch's matmul
+        # there is its fallback GEMM (under 1 GFLOP/s on an AVX2 EPYC, 2.4 s a repetition), no
+        # measure of the machine, so it is not timed.
+        panels = small_gemm_pack(b)
+        mm_s = _best_seconds(lambda: small_linear(a, panels, n), device, reps)
+    else:
+        mm_s = _best_seconds(lambda: a @ b, device, reps)
     if device.type == "cpu" and onednn_supports(dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
         mm_s = min(mm_s, _best_seconds(lambda: onednn_linear(a, packed), device, reps))
-    elif device.type == "cpu" and small_gemm_supported(dtype):
-        # bfloat16 on AVX2: torch's fallback GEMM (under 1 GFLOP/s on an AVX2 EPYC) is no
-        # measure of the machine; the FMA kernel widening bfloat16 is what computes it there.
-        panels = small_gemm_pack(b)
-        mm_s = min(mm_s, _best_seconds(lambda: small_linear(a, panels, n), device, reps))
     return Roofline(bandwidth_gb_s=2 * numel * 4 / copy_s / 1e9, gemm_gflop_s=2 * n**3 / mm_s / 1e9)

@@ -163,6 +163,8 @@ class DenseGemm:
     Chosen once per layer, so every layer of an engine computes the same way."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
         self.uses_onednn = device.type == "cpu" and onednn_supports(dtype)
         self.uses_small_gemm = (
             device.type == "cpu"
@@ -173,20 +175,23 @@ class DenseGemm:
         self.small_max_rows = SMALL_GEMM_MAX_ROWS.get(dtype, 0) if self.uses_onednn else sys.maxsize
         """The most rows the small-row kernel takes (more go to oneDNN). Every row count where
         oneDNN cannot run the dtype (bfloat16 on AVX2: the kernel against torch's fallback)."""
-        self.slow_bf16 = (
-            device.type == "cpu"
-            and dtype == torch.bfloat16
-            and not (self.uses_onednn or self.uses_small_gemm)
-        )
-        """Bfloat16 on a CPU where neither oneDNN nor the kernel runs it: `F.linear` is 3-4x
-        slower than in float32 there (an AVX2 EPYC: 32 rows 6.0 against 1.7 ms, 2048 rows 317
-        against 75)."""
         self._packed: torch.Tensor | None = None
         """oneDNN's blocked weight (without the small-row kernel)."""
         self._small: torch.Tensor | None = None
         """The small-row kernel's panels (with it; oneDNN then takes the plain weight)."""
         self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
+
+    @property
+    def slow_bf16(self) -> bool:
+        """Bfloat16 on a CPU where neither oneDNN nor the kernel runs it: `F.linear` is 3-4x
+        slower than in float32 there (an AVX2 EPYC: 32 rows 6.0 against 1.7 ms, 2048 rows 317
+        against 75)."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and not (self.uses_onednn or self.uses_small_gemm)
+        )
 
     @property
     def prepacked(self) -> bool:
