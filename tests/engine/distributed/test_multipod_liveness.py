@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from fleetserve.common.ports import free_port
 from fleetserve.engine.distributed.pod_group import PodGroup
 from fleetserve.engine.distributed.remote_ranks import RemoteRanks, heartbeats
 
@@ -23,11 +22,12 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 def _bound(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
+    # The kernel's port, chosen in the bind itself: a port chosen first (free_port) and bound
+    # after was once taken in between by the other test worker ("Address already in use").
     sock = ctx.socket(zmq.PUSH)
     heartbeats(sock)
-    port = free_port()
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    return sock, f"tcp://127.0.0.1:{port}"
+    sock.bind("tcp://127.0.0.1:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def _until(what: str, fn: object, timeout_s: float = 10.0) -> str:
