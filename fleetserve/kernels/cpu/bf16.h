@@ -37,11 +37,10 @@ inline c10::BFloat16 narrow1(float v) {
                        c10::BFloat16::from_bits());
 }
 
-// v rounded to bfloat16 and widened again: the value a torch bfloat16 op hands on.
-inline float round1(float v) { return widen1(narrow1(v)); }
-
 #if defined(__AVX2__)
-// 8 values widened to float32.
+// 8 values as float32: float32 loaded as it is, bfloat16 widened (the kernels that take either
+// dtype call one name).
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

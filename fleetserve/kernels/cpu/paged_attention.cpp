@@ -109,8 +109,7 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_f32x8(const c10::BFloat16* p) { return fleetserve_cpu::widen8(p); }
+using fleetserve_cpu::widen8;
 
 // logits[0..7] = q · k_t for 8 float32 or bfloat16 key rows token_stride apart (D a multiple
 // of 8).
@@ -120,8 +119,8 @@ inline void dot8(const float* q, const T* k, int64_t token_stride, float* logits
   for (int64_t c = 0; c < D / 8; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   for (int t = 0; t < 8; ++t) {
     const T* kt = k + t * token_stride;
-    __m256 a = _mm256_mul_ps(qv[0], load_f32x8(kt));
-    for (int64_t c = 1; c < D / 8; ++c) a = _mm256_fmadd_ps(qv[c], load_f32x8(kt + 8 * c), a);
+    __m256 a = _mm256_mul_ps(qv[0], widen8(kt));
+    for (int64_t c = 1; c < D / 8; ++c) a = _mm256_fmadd_ps(qv[c], widen8(kt + 8 * c), a);
     v[t] = a;
   }
   _mm256_storeu_ps(logits, sum_lanes8(v));

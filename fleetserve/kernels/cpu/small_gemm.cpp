@@ -180,9 +180,7 @@ void row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* 
 // whole K block (both halves of the block stay in L1), prefetching one line a k step of either.
 constexpr int kMaxBlockRows = 6;
 
-// 8 weights as float32: bfloat16 widens exactly (it is a float32's high half).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) { return fleetserve_cpu::widen8(p); }
+using fleetserve_cpu::widen8;  // 8 weights as float32 (bfloat16 widens exactly)
 
 // One or two rows: the panel's 32 columns in one pass, four accumulators a row, so that enough
 // independent FMA chains are in flight (two a row leave the FMA latency exposed: a bfloat16 row
@@ -203,7 +201,7 @@ void narrow_row_block(const float* x, int64_t ldx, const W* panel, int64_t len, 
       if (per_step == 2) _mm_prefetch(prefetch + i * per_step * 64 + 64, _MM_HINT_T1);
     }
     __m256 w[4];
-    for (int c = 0; c < 4; ++c) w[c] = load8(panel + i * kPanel + 8 * c);
+    for (int c = 0; c < 4; ++c) w[c] = widen8(panel + i * kPanel + 8 * c);
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);
       for (int c = 0; c < 4; ++c) a[r][c] = _mm256_fmadd_ps(b, w[c], a[r][c]);
@@ -231,8 +229,8 @@ void row_block(const float* x, int64_t ldx, const W* panel, int64_t len, float* 
     }
     for (int64_t i = 0; i < len; ++i) {
       if (line < prefetch_lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
-      const __m256 w_lo = load8(panel + i * kPanel + half);
-      const __m256 w_hi = load8(panel + i * kPanel + half + 8);
+      const __m256 w_lo = widen8(panel + i * kPanel + half);
+      const __m256 w_hi = widen8(panel + i * kPanel + half + 8);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 a = _mm256_broadcast_ss(x + r * ldx + i);
