@@ -105,7 +105,13 @@ def test_pods_join_and_leave_the_fleet_as_they_become_ready_or_go(
 
         try:
             await engines({"http://10.1.0.1:8000"})
-            assert "r=d" in api.selectors and "r=p" in api.selectors
+            # Each selector is watched from its own thread, so the prefill list can come after
+            # the decode pods have joined: wait for it, bounded.
+            deadline = time.monotonic() + 10
+            while "r=p" not in api.selectors:
+                assert time.monotonic() < deadline, api.selectors
+                await asyncio.sleep(0.02)
+            assert "r=d" in api.selectors
             assert fleet.engines["http://10.1.0.1:8000"].compatibility_hash == "h"
             # Scale out: d-1 turns Ready, and a new pod d-2 arrives Ready.
             await api.queue("r=d").put(
