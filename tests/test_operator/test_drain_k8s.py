@@ -254,7 +254,11 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
                 seen_condition.append(draining["message"])
             groups = {}
             for role in ("prefill", "decode"):
-                pods = live_pods(env, ns, name, role)
+                # Terminating pods too: an idle group is labelled, found done at the next drain
+                # poll (2 s) and deleted, and a poll here (several kubectl calls) can miss that
+                # window; the label stays on the pod while it terminates.
+                selector = f"{SEL}={name},fleetserve.io/role={role}"
+                pods = (env.get("pod", ns, selector=selector) or {"items": []})["items"]
                 seen_draining.update(
                     p["metadata"]["name"] for p in pods if LABEL_DRAINING in p["metadata"]["labels"]
                 )
