@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +98,21 @@ def test_pods_join_and_leave_the_fleet_as_they_become_ready_or_go(
         fleet = Fleet(config, RouterMetrics(CollectorRegistry()))
         task = asyncio.create_task(run_discovery(config, fleet))
 
-        async def engines(want: set[str]) -> None:
+        async def until(done: Callable[[], bool], what: object) -> None:
             deadline = time.monotonic() + 10
-            while {u for u, e in fleet.engines.items() if e.role == "decode"} != want:
-                assert time.monotonic() < deadline, (sorted(fleet.engines), want)
+            while not done():
+                assert time.monotonic() < deadline, what
                 await asyncio.sleep(0.02)
+
+        async def engines(want: set[str]) -> None:
+            decode = lambda: {u for u, e in fleet.engines.items() if e.role == "decode"}  # noqa: E731
+            await until(lambda: decode() == want, (sorted(fleet.engines), want))
 
         try:
             await engines({"http://10.1.0.1:8000"})
             # Each selector is watched from its own thread, so the prefill list can come after
             # the decode pods have joined: wait for it, bounded.
-            deadline = time.monotonic() + 10
-            while "r=p" not in api.selectors:
-                assert time.monotonic() < deadline, api.selectors
-                await asyncio.sleep(0.02)
+            await until(lambda: "r=p" in api.selectors, api.selectors)
             assert "r=d" in api.selectors
             assert fleet.engines["http://10.1.0.1:8000"].compatibility_hash == "h"
             # Scale out: d-1 turns Ready, and a new pod d-2 arrives Ready.
