@@ -50,9 +50,14 @@ def cpu_sample(prefill: int, decode: int) -> dict[str, Any]:
     return doc
 
 
-def live_pods(env: OperatorEnv, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+def role_pods(env: OperatorEnv, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+    """Every pod of the role, terminating ones included."""
     got = env.get("pod", ns, selector=f"{SEL}={name},fleetserve.io/role={role}") or {"items": []}
-    return [p for p in got["items"] if not p["metadata"].get("deletionTimestamp")]
+    return list(got["items"])
+
+
+def live_pods(env: OperatorEnv, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+    return [p for p in role_pods(env, ns, name, role) if not p["metadata"].get("deletionTimestamp")]
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
@@ -257,10 +262,10 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
                 # Terminating pods too: an idle group is labelled, found done at the next drain
                 # poll (2 s) and deleted, and a poll here (several kubectl calls) can miss that
                 # window; the label stays on the pod while it terminates.
-                selector = f"{SEL}={name},fleetserve.io/role={role}"
-                pods = (env.get("pod", ns, selector=selector) or {"items": []})["items"]
                 seen_draining.update(
-                    p["metadata"]["name"] for p in pods if LABEL_DRAINING in p["metadata"]["labels"]
+                    p["metadata"]["name"]
+                    for p in role_pods(env, ns, name, role)
+                    if LABEL_DRAINING in p["metadata"]["labels"]
                 )
                 items = env.get(
                     "statefulset", ns, selector=f"{SEL}={name},fleetserve.io/role={role}"
