@@ -50,9 +50,13 @@ def cpu_sample(prefill: int, decode: int) -> dict[str, Any]:
     return doc
 
 
+def role_selector(name: str, role: str) -> str:
+    return f"{SEL}={name},fleetserve.io/role={role}"
+
+
 def role_pods(env: OperatorEnv, ns: str, name: str, role: str) -> list[dict[str, Any]]:
     """Every pod of the role, terminating ones included."""
-    got = env.get("pod", ns, selector=f"{SEL}={name},fleetserve.io/role={role}") or {"items": []}
+    got = env.get("pod", ns, selector=role_selector(name, role)) or {"items": []}
     return list(got["items"])
 
 
@@ -267,9 +271,7 @@ def test_scale_down_under_load_cuts_no_request(operator_env: OperatorEnv) -> Non
                     for p in role_pods(env, ns, name, role)
                     if LABEL_DRAINING in p["metadata"]["labels"]
                 )
-                items = env.get(
-                    "statefulset", ns, selector=f"{SEL}={name},fleetserve.io/role={role}"
-                )
+                items = env.get("statefulset", ns, selector=role_selector(name, role))
                 groups[role] = len(items["items"])
             return groups == {"prefill": 1, "decode": 1}
 
@@ -301,7 +303,7 @@ def _annotations(env: OperatorEnv, ns: str, sts: str) -> dict[str, str]:
 
 
 def _group_pods_labelled(env: OperatorEnv, ns: str, name: str, index: int) -> list[bool]:
-    selector = f"{SEL}={name},fleetserve.io/role=decode,fleetserve.io/group={index}"
+    selector = f"{role_selector(name, 'decode')},fleetserve.io/group={index}"
     pods = (env.get("pod", ns, selector=selector) or {"items": []})["items"]
     return [LABEL_DRAINING in p["metadata"]["labels"] for p in pods]
 
@@ -345,7 +347,7 @@ def test_scale_up_cancels_a_drain_and_a_restarted_operator_resumes_one(
         poll("drain cancelled", lambda: "fleetserve.io/draining-since" not in _annotations(env, ns, sts)
              and _group_pods_labelled(env, ns, name, 1) == [False])  # fmt: skip
         poll("Ready again", lambda: status(env, ns, name).get("phase") == "Ready", timeout_s=60)
-        items = env.get("statefulset", ns, selector=f"{SEL}={name},fleetserve.io/role=decode")
+        items = env.get("statefulset", ns, selector=role_selector(name, "decode"))
         assert sorted(i["metadata"]["name"] for i in items["items"]) == [f"{name}-decode-0", sts]
         assert "DrainCancelled" in [r for r, _ in event_reasons(env, ns)]
 
