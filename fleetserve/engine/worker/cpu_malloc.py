@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "MallocTuning", "tune_cpu_malloc"]
+__all__ = [
+    "MMAP_THRESHOLD_BYTES",
+    "TRIM_THRESHOLD_BYTES",
+    "MallocTuning",
+    "release_free_heap",
+    "tune_cpu_malloc",
+]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -58,14 +64,34 @@ def tune_cpu_malloc(enabled: bool = True) -> MallocTuning:
     return tuning
 
 
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the OS now (glibc's `malloc_trim(0)`), for a one-off
+    release the trim threshold would keep: weights copied elsewhere at start-up, not step
+    activations. Returns whether glibc released any; False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    trim = libc.malloc_trim
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # musl has none
+
+
 def _tune(enabled: bool) -> MallocTuning:
     if not enabled:
         return MallocTuning(False, "FLEETSERVE_CPU_MALLOC_TUNING=0")
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        version = libc.gnu_get_libc_version
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return MallocTuning(False, "the C library is not glibc")
+    version = libc.gnu_get_libc_version
     version.restype = ctypes.c_char_p
     glibc = version().decode()
     mallopt = libc.mallopt

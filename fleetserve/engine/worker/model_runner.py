@@ -166,12 +166,14 @@ class ModelRunner:
         return list(self._kv_caches_by_layer)
 
     def warm_up_gemms(self) -> None:
-        """Build the CPU GEMMs' oneDNN primitives for the row buckets a step can use
-        (`fleetserve.engine.layers.gemm`, up to its `WARM_UP_MAX_ROWS`): the linear layers' up
-        to the token budget, the LM head's up to the sampled rows of a full batch (larger ones
-        are built when first used). Nothing to do on CUDA."""
-        from fleetserve.engine.layers.gemm import DenseGemm, warm_up_gemms
+        """Gather the small-row GEMMs' packed weights onto huge pages, and build the CPU GEMMs'
+        oneDNN primitives for the row buckets a step can use (`fleetserve.engine.layers.gemm`,
+        up to its `WARM_UP_MAX_ROWS`): the linear layers' up to the token budget, the LM head's
+        up to the sampled rows of a full batch (larger ones are built when first used). Nothing
+        to do on CUDA."""
+        from fleetserve.engine.layers.gemm import DenseGemm, gather_small_panels, warm_up_gemms
         from fleetserve.engine.layers.vocab_parallel_embedding import ParallelLMHead
+        from fleetserve.engine.worker.cpu_malloc import release_free_heap
 
         assert self.model is not None, "load_model() must run before warm_up_gemms()"
         scheduler = self.config.scheduler
@@ -186,6 +188,10 @@ class ModelRunner:
                     if isinstance(module, ParallelLMHead):
                         rows = min(rows, sampled_rows)
                     gemms.append((gemm, rows))
+        if gather_small_panels(gemm for gemm, _ in gemms):
+            # NOTE: the packed copies just freed came from the heap, whose free memory glibc
+            # keeps (cpu_malloc's trim threshold): give it back rather than hold it resident.
+            release_free_heap()
         warm_up_gemms(gemms)
 
     def warm_up_compiled(self) -> None:
