@@ -36,7 +36,7 @@ bfloat16 kernel takes steps up to 256 rows, where re-blocking cost 40-50%).
 
 At start-up `gather_small_panels` moves every packed copy into one mapping on transparent huge
 pages (`fleetserve.engine.layers.huge_pages`): a decode step streams all of them, and on 4 KiB
-pages it paid a page walk every 4 KiB of the stream (batch-1 steps 3-4% slower).
+pages it paid a page walk every 4 KiB of the stream (batch-1 steps 3-5% slower).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,10 @@ logger = logging.getLogger(__name__)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_ROWS = 16
 """Row counts up to this go to oneDNN as they are (decode batches: one primitive each)."""
+GATHER_RELEASE_BYTES = 256 << 20
+"""`gather_small_panels` gives freed originals back to the OS after this many bytes of them:
+those from the heap stay resident otherwise (`cpu_malloc`'s trim threshold), and a model's
+packed weights twice over could exceed the machine's memory."""
 WARM_UP_MAX_ROWS = 512
 """`warm_up_gemms` builds the buckets up to this many rows. The warm-up computes each bucket's GEMM
 once: for a 7B model's four layer shapes, every bucket up to a 2048-token budget is about 5 TFLOP
@@ -285,24 +289,36 @@ def warm_up_gemms(gemms: Iterable[tuple[DenseGemm, int]]) -> int:
     return len(largest)
 
 
-def gather_small_panels(gemms: Iterable[DenseGemm]) -> int:
+def gather_small_panels(
+    gemms: Iterable[DenseGemm], release: Callable[[], object] | None = None
+) -> int:
     """Move the small-row kernel's packed weights of `gemms` into one mapping on transparent huge
     pages (`fleetserve.engine.layers.huge_pages`), from which decode steps stream them with
     fewer page walks. The copies hold the same values, so every product stays the same bits.
-    They are moved one at a time, so memory peaks at the packed weights and one more. Returns the
+    Each original is freed as soon as it is copied, and `release` (which gives freed memory back
+    to the OS, e.g. `cpu_malloc.release_free_heap`) runs after every `GATHER_RELEASE_BYTES` of
+    them and at the end, so memory peaks at the packed weights and that much more. Returns the
     bytes moved: 0 where the kernel gives no huge pages (then nothing moves)."""
-    owners: list[tuple[DenseGemm, torch.Tensor]] = []
-    for gemm in dict.fromkeys(gemms):
-        if gemm._small is not None:
-            owners.append((gemm, gemm._small))
+    owners = [gemm for gemm in dict.fromkeys(gemms) if gemm._small is not None]
     mode = thp_mode()
     if not owners or mode not in ("always", "madvise"):
         return 0
-    views = huge_page_views([(panels.shape, panels.dtype) for _, panels in owners])
-    for (gemm, panels), view in zip(owners, views, strict=True):
-        view.copy_(panels)
-        gemm._small = view
-    del owners
+    layouts = []
+    for gemm in owners:
+        assert gemm._small is not None
+        layouts.append((gemm._small.shape, gemm._small.dtype))
+    views = huge_page_views(layouts)
+    unreleased = 0
+    for gemm, view in zip(owners, views, strict=True):
+        assert gemm._small is not None
+        view.copy_(gemm._small)
+        gemm._small = view  # the original's last reference
+        unreleased += view.nbytes
+        if release is not None and unreleased >= GATHER_RELEASE_BYTES:
+            release()
+            unreleased = 0
+    if release is not None and unreleased:
+        release()
     moved = sum(view.nbytes for view in views)
     logger.info(
         "small-row GEMMs: %d packed weights (%d MiB) gathered for huge pages, %d MiB on them "

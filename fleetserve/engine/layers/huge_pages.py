@@ -2,14 +2,11 @@
 
 A decode step at a small batch reads every weight once, from memory: SmolLM2's packed float32
 weights are 513 MiB a step, 131,000 pages of 4 KiB, each a TLB miss and a page walk beside the
-stream's loads. On 2 MiB pages the same stream walks 256 times fewer page tables. On the 2-core
-AVX2 box (a SmolLM2 step's 121 small-row GEMMs, weights from
-memory, the two placements alternated in one process, best of 13) the GEMMs took 30.4-31.6 ms
-instead of 33.2-35.6 at 1 row, 35.7 instead of 39.0 at 4 and 41.7 instead of 51.2 at 8; level at
-32 rows, where they compute longer than they read. A whole decode step went 3-6% faster
-(240 steps of each placement in one engine, alternated every 10): 52.8 to 51.1 ms (float32, batch 1), 36.9
-to 35.3 (bfloat16, batch 1), 193 to 182 (float32, batch 32). The KV cache on huge pages changed
-nothing (attention reads whole blocks already), so only weights go here.
+stream's loads; on 2 MiB pages the stream walks 256 times fewer. On the 2-core AVX2 box, a
+SmolLM2 step's small-row GEMMs took 30.4-31.6 ms on huge pages instead of 33.2-35.6 at 1 row and
+41.7 instead of 51.2 at 8 (level at 32 rows, where they compute longer than they read), and a
+batch-1 decode step 3-5% less (docs/cpu-performance.md, "Packed weights on huge pages"). The KV
+cache on huge pages changed nothing: attention reads whole blocks, few pages each.
 
 Torch can advise its own allocations (`THP_MEM_ALLOC_ENABLE=1`), but only those of 2 MiB and more,
 each at a 4 KiB boundary: a huge page then covers only the 2 MiB-aligned inside of each buffer,

@@ -188,10 +188,9 @@ class ModelRunner:
                     if isinstance(module, ParallelLMHead):
                         rows = min(rows, sampled_rows)
                     gemms.append((gemm, rows))
-        if gather_small_panels(gemm for gemm, _ in gemms):
-            # NOTE: the packed copies just freed came from the heap, whose free memory glibc
-            # keeps (cpu_malloc's trim threshold): give it back rather than hold it resident.
-            release_free_heap()
+        # NOTE: the originals it frees come partly from the heap, whose free memory the tuned
+        # glibc keeps (cpu_malloc's trim threshold): it gives that back as it goes.
+        gather_small_panels((gemm for gemm, _ in gemms), release=release_free_heap)
         warm_up_gemms(gemms)
 
     def warm_up_compiled(self) -> None:

@@ -102,11 +102,15 @@ def test_gathered_small_gemms_compute_the_same_bits(monkeypatch: pytest.MonkeyPa
     assert gather_small_panels(gemms) == 0  # nothing to gain: nothing moves
 
     monkeypatch.undo()
-    moved = gather_small_panels([*gemms, gemms[0]])  # each GEMM's panels moved once
+    monkeypatch.setattr(gemm_module, "GATHER_RELEASE_BYTES", 1)  # release after every weight
+    released: list[int] = []
+    moved = gather_small_panels([*gemms, gemms[0]], release=lambda: released.append(1))
     after = [gemm(*args) for gemm, args in zip(gemms, inputs, strict=True)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     if THP_HERE:
+        # Each GEMM's panels moved once, each original released as soon as it was copied.
         assert moved == sum((n + 31) // 32 * 32 * k * 4 for n, k in shapes)
+        assert len(released) == len(shapes)
         assert huge_page_bytes(gemms[0]._small) >= HUGE_PAGE_BYTES  # type: ignore[arg-type]
     else:
-        assert moved == 0
+        assert (moved, released) == (0, [])
