@@ -63,8 +63,9 @@ def huge_page_views(
     for shape, dtype in layouts:
         if any(d < 0 for d in shape):
             raise ValueError(f"layouts must have dimensions >= 0, got {tuple(shape)}")
-        sizes.append(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
-    total = sum((n + align - 1) // align * align for n in sizes)
+        sizes.append(torch.Size(shape).numel() * dtype.itemsize)
+    spans = [(n + align - 1) // align * align for n in sizes]
+    total = sum(spans)
     # NOTE: private, not mmap's default shared mapping: shared anonymous memory is shmem, whose
     # huge pages follow shmem_enabled (usually never), not the mode above.
     mapping = mmap.mmap(
@@ -75,9 +76,9 @@ def huge_page_views(
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping alive
     offset = -whole.data_ptr() % HUGE_PAGE_BYTES
     views = []
-    for (shape, dtype), nbytes in zip(layouts, sizes, strict=True):
+    for (shape, dtype), nbytes, span in zip(layouts, sizes, spans, strict=True):
         views.append(whole[offset : offset + nbytes].view(dtype).view(shape))
-        offset += (nbytes + align - 1) // align * align
+        offset += span
     return views
 
 
